@@ -1,0 +1,3 @@
+from attnserve.cli import main
+
+raise SystemExit(main())

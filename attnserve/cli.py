@@ -1,0 +1,41 @@
+"""The `attnserve` command: one entry point, one module per subcommand.
+
+Subcommand modules are imported only when chosen, so `attnserve serve` never imports torch.
+Each module has `main(argv) -> int` and also runs on its own (`python -m model.train`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("model.train", "train the default model on the Shakespeare corpus"),
+    "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
+    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: attnserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'attnserve <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"attnserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

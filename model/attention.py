@@ -1,0 +1,125 @@
+"""Scaled dot-product attention and multi-head attention, written out from first principles.
+
+Mask convention (the same as `torch.nn.functional.scaled_dot_product_attention`): a boolean
+mask is True where a query may attend to a key. `key_padding_mask` follows
+`torch.nn.MultiheadAttention`: True marks a padded key that must be ignored.
+
+A query row whose keys are all masked has no defined softmax; it returns zeros instead of
+NaN, so padded rows in a batch never poison anything downstream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> Tensor:
+    """softmax(Q·Kᵀ / √d_k) · V, step by step.
+
+    q: (..., Tq, d_k), k: (..., Tk, d_k), v: (..., Tk, d_v); mask broadcastable to (..., Tq, Tk).
+    """
+    d_k = q.size(-1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        # A fully masked row is all -inf and softmaxes to NaN; it attends to nothing instead.
+        weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v  # (..., Tq, d_v)
+
+
+def causal_mask(t_query: int, t_key: int, device: torch.device | None = None) -> Tensor:
+    """(Tq, Tk) boolean mask for queries that are the last Tq of Tk positions."""
+    offset = t_key - t_query
+    q_pos = torch.arange(t_query, device=device).unsqueeze(1) + offset
+    k_pos = torch.arange(t_key, device=device).unsqueeze(0)
+    return k_pos <= q_pos
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with one fused Q/K/V projection and an output projection W_O.
+
+    `qkv_proj.weight` is (3·n_head·d_head, d_model) with the query, key and value rows stacked in that
+    order, the layout of `torch.nn.MultiheadAttention.in_proj_weight` and of GPT-2's `c_attn`
+    (transposed). For cross-attention, queries come from `x` and keys/values from `context`.
+    """
+
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True,
+                 use_sdpa: bool = True, d_head: int | None = None):
+        super().__init__()
+        if d_head is None:
+            if d_model % n_head != 0:
+                raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
+            d_head = d_model // n_head
+        self.d_model = d_model
+        self.n_head = n_head
+        self.d_head = d_head  # d_k; defaults to d_model / n_head
+        self.d_inner = n_head * d_head  # width of the concatenated heads
+        self.dropout = dropout
+        self.use_sdpa = use_sdpa  # fused torch kernel; the explicit path is the reference
+        self.qkv_proj = nn.Linear(d_model, 3 * self.d_inner, bias=bias)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, D)
+
+    def project_qkv(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries from x; keys and values from context (cross) or from x (self). Each (B, H, T, D)."""
+        if context is None:
+            q, k, v = self.qkv_proj(x).split(self.d_inner, dim=-1)
+        else:
+            w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
+            q = F.linear(x, w[:n], None if b is None else b[:n])
+            k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(n, dim=-1)
+        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        """Attention over already projected heads; merges heads and applies W_O. Returns (B, Tq, d_model)."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.use_sdpa and is_causal and mask is None and q.size(-2) == k.size(-2):
+            # The common training case: torch's fused causal kernel, no mask tensor at all.
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            if is_causal:
+                causal = causal_mask(q.size(-2), k.size(-2), q.device)
+                mask = causal if mask is None else mask & causal
+            if self.use_sdpa:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+                if mask is not None:
+                    y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+            else:
+                y = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p)
+        B, H, T, D = y.shape
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, Tq, d_model)
+        return self.out_proj(y)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        is_causal: bool = False,
+        attn_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, Tq, d_model); context: (B, Tk, d_model) or None for self-attention.
+
+        attn_mask: bool, broadcastable to (B, H, Tq, Tk), True = may attend.
+        key_padding_mask: bool (B, Tk), True = padded key, ignored.
+        """
+        q, k, v = self.project_qkv(x, context)
+        mask = attn_mask
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
+            mask = keep if mask is None else mask & keep
+        return self.attend(q, k, v, mask, is_causal)

@@ -1,0 +1,62 @@
+"""Model directories: `config.json` + `model.safetensors` + `tokenizer.json`, like a Hugging Face one.
+
+Weights are safetensors only, so loading a model directory never unpickles anything. Tied
+weights (the output head shares the token embedding) are stored once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+TIED_HEAD = "lm_head.weight"
+
+
+def save_model_dir(model: GPT, tokenizer: Tokenizer, out_dir: str | Path,
+                   metadata: dict[str, str] | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save(out / CONFIG_FILE)
+    tokenizer.save(out / TOKENIZER_FILE)
+    save_file(weights_for_saving(model), str(out / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+    return out
+
+
+def weights_for_saving(model: GPT) -> dict[str, torch.Tensor]:
+    """The state dict without the tied output head, which is `tok_emb.weight` again."""
+    return {k: v.contiguous() for k, v in model.state_dict().items() if k != TIED_HEAD}
+
+
+def load_weights(model: GPT, path: str | Path) -> None:
+    """Load safetensors weights into `model`; every parameter but the tied head must be present."""
+    state = load_file(str(path))
+    if "tok_emb.weight" not in state and TIED_HEAD in state:  # as `safetensors.torch.save_model` writes it
+        state["tok_emb.weight"] = state.pop(TIED_HEAD)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - {TIED_HEAD} or unexpected:
+        raise ValueError(f"{path} does not fit the config: missing {sorted(set(missing) - {TIED_HEAD})}, "
+                         f"unexpected {sorted(unexpected)}")
+
+
+def load_model_dir(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer]:
+    """Load a model directory for inference (eval mode)."""
+    d = Path(model_dir)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
+        if not (d / name).is_file():
+            raise FileNotFoundError(f"{d} is not a model directory: {name} is missing")
+    config = GPTConfig.load(d / CONFIG_FILE)
+    tokenizer = Tokenizer.from_file(d / TOKENIZER_FILE, eos_id=config.eos_token_id)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    model = GPT(config)
+    load_weights(model, d / WEIGHTS_FILE)
+    return model.to(device).eval(), tokenizer

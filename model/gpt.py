@@ -1,0 +1,154 @@
+"""A decoder-only Transformer (GPT) built from the attention in `attention.py`.
+
+Blocks are pre-LayerNorm: x + Attn(LN(x)), then x + FFN(LN(x)). Parameter names and shapes map
+one to one onto Hugging Face GPT-2 (see `import_hf.py`), with our Linear weights stored as
+(out, in) where GPT-2's Conv1D stores (in, out).
+
+`forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
+`KVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import MultiHeadAttention, causal_mask
+from model.config import GPTConfig
+from model.kv_cache import KVCache
+
+
+def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...), as in "Attention Is All You Need"."""
+    pos = torch.arange(n_positions, dtype=torch.float32).unsqueeze(1)  # (P, 1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_positions, d_model)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
+    return table  # (P, d_model)
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: d_model -> d_ff -> d_model with a GELU between."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(config.d_model, config.ff_width, bias=config.bias)
+        self.fc_out = nn.Linear(config.ff_width, config.d_model, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = MultiHeadAttention(config.d_model, config.n_head, config.dropout, config.bias)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.ffn = FeedForward(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None, kv_cache: KVCache | None, layer: int) -> Tensor:
+        q, k, v = self.attn.project_qkv(self.ln_1(x))  # (B, H, T, D) each
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (B, H, past + T, D)
+        x = x + self.resid_dropout(self.attn.attend(q, k, v, mask, is_causal=mask is None))
+        return x + self.ffn(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        if config.pos_encoding == "learned":
+            self.pos_emb = nn.Embedding(config.n_ctx, config.d_model)
+        else:
+            self.register_buffer("pos_table", sinusoidal_table(config.n_ctx, config.d_model), persistent=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("out_proj.weight") or name.endswith("fc_out.weight"):
+                # GPT-2: scale residual-branch outputs so the stream's variance does not grow with depth.
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.config.pos_encoding == "learned":
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        c = self.config
+        p = self.tok_emb.weight
+        return KVCache(c.n_layer, batch_size, c.n_head, c.d_head, max_len or c.n_ctx, p.dtype, p.device)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """input_ids (B, T) -> logits (B, T, vocab).
+
+        attention_mask: (B, past + T), 1 where a token is real and 0 where it is padding.
+        position_ids: (B, T); by default counted over real tokens when a mask is given.
+        """
+        B, T = input_ids.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        total = past + T
+        if total > self.config.n_ctx:
+            raise ValueError(f"sequence of {total} positions exceeds the model context n_ctx={self.config.n_ctx}")
+        if attention_mask is not None and attention_mask.shape != (B, total):
+            raise ValueError(f"attention_mask must be (B, past + T) = {(B, total)}, got {tuple(attention_mask.shape)}")
+
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
+            else:
+                position_ids = torch.arange(past, total, device=input_ids.device).expand(B, T)
+
+        mask = None  # None lets attention take the fused causal path
+        if attention_mask is not None or past > 0:
+            mask = causal_mask(T, total, input_ids.device)[None, None]  # (1, 1, T, total)
+            if attention_mask is not None:
+                mask = mask & attention_mask.bool()[:, None, None, :]  # (B, 1, T, total)
+
+        x = self.tok_emb(input_ids) + self.position_embedding(position_ids)  # (B, T, d_model)
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+    def position_embedding(self, position_ids: Tensor) -> Tensor:
+        if self.config.pos_encoding == "learned":
+            return self.pos_emb(position_ids)
+        return self.pos_table[position_ids]
+
+    def loss(self, input_ids: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in nats; targets equal to -100 are ignored."""
+        logits = self(input_ids)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

@@ -1,0 +1,142 @@
+"""Import a local Hugging Face GPT-2 family checkpoint into an attnserve model directory.
+
+    attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.import_hf ...
+
+The source holds `config.json`, weights as `model.safetensors` (or `pytorch_model.bin`, read with
+`torch.load(weights_only=True)`, which refuses arbitrary pickled objects), and a tokenizer as
+`tokenizer.json` or `vocab.json` + `merges.txt`. Nothing is downloaded.
+
+GPT-2's Conv1D layers store weights as (in, out); our Linear layers store (out, in), so those
+matrices are transposed. Every other tensor maps one to one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from model.checkpoint import save_model_dir
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import Tokenizer
+
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+# (HF name under a block, our name under a block, transpose?)
+BLOCK_MAP = [
+    ("ln_1.weight", "ln_1.weight", False),
+    ("ln_1.bias", "ln_1.bias", False),
+    ("attn.c_attn.weight", "attn.qkv_proj.weight", True),
+    ("attn.c_attn.bias", "attn.qkv_proj.bias", False),
+    ("attn.c_proj.weight", "attn.out_proj.weight", True),
+    ("attn.c_proj.bias", "attn.out_proj.bias", False),
+    ("ln_2.weight", "ln_2.weight", False),
+    ("ln_2.bias", "ln_2.bias", False),
+    ("mlp.c_fc.weight", "ffn.fc_in.weight", True),
+    ("mlp.c_fc.bias", "ffn.fc_in.bias", False),
+    ("mlp.c_proj.weight", "ffn.fc_out.weight", True),
+    ("mlp.c_proj.bias", "ffn.fc_out.bias", False),
+]
+TOP_MAP = [("wte.weight", "tok_emb.weight"), ("wpe.weight", "pos_emb.weight"),
+           ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"only GPT-2 family checkpoints are supported, got model_type={hf.get('model_type')!r}")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation_function {act!r}; supported: {sorted(ACTIVATIONS)}")
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+        raise ValueError("checkpoints with non-standard attention scaling are not supported")
+    eos = hf.get("eos_token_id")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        n_ctx=hf.get("n_positions", hf.get("n_ctx", 1024)),
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        d_model=hf["n_embd"],
+        d_ff=hf.get("n_inner"),
+        dropout=0.0,
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        activation=ACTIVATIONS[act],
+        eos_token_id=eos if eos is not None else hf["vocab_size"] - 1,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+
+
+def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    if (src / "model.safetensors").is_file():
+        return load_file(str(src / "model.safetensors"))
+    if (src / "pytorch_model.bin").is_file():
+        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+
+
+def convert_state_dict(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors -> our parameter names. Unused buffers (attn.bias, masked_bias) are dropped."""
+    # GPT2LMHeadModel prefixes with "transformer."; a bare GPT2Model does not.
+    state = {re.sub(r"^transformer\.", "", k): v for k, v in hf_state.items()}
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, ours in TOP_MAP:
+        out[ours] = state[hf_name]
+    for i in range(config.n_layer):
+        for hf_name, ours, transpose in BLOCK_MAP:
+            t = state[f"h.{i}.{hf_name}"]
+            out[f"blocks.{i}.{ours}"] = t.t().contiguous() if transpose else t
+    out["lm_head.weight"] = out["tok_emb.weight"]
+    if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["wte.weight"]):
+        raise ValueError("the checkpoint's lm_head is not tied to wte; attnserve models tie them")
+    return {k: v.float() for k, v in out.items()}
+
+
+def read_hf_tokenizer(src: Path, eos_id: int) -> Tokenizer:
+    if (src / "tokenizer.json").is_file():
+        return Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), eos_id)
+    if (src / "vocab.json").is_file() and (src / "merges.txt").is_file():
+        hf = HFTokenizer(models.BPE.from_file(str(src / "vocab.json"), str(src / "merges.txt")))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        eos = hf.id_to_token(eos_id)
+        if eos is None:
+            raise ValueError(f"eos_token_id {eos_id} is not in {src / 'vocab.json'}")
+        hf.add_special_tokens([AddedToken(eos, special=True)])
+        return Tokenizer(hf, eos_id)
+    raise FileNotFoundError(f"{src} has neither tokenizer.json nor vocab.json + merges.txt")
+
+
+def import_hf(src: str | Path, out: str | Path) -> Path:
+    src = Path(src)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found")
+    config = config_from_hf(json.loads(config_path.read_text()))
+    model = GPT(config)
+    model.load_state_dict(convert_state_dict(read_hf_weights(src), config), strict=True)
+    tokenizer = read_hf_tokenizer(src, config.eos_token_id)
+    return save_model_dir(model, tokenizer, out, metadata={"source": "huggingface-gpt2"})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnserve import-hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("src", help="local Hugging Face GPT-2 directory")
+    p.add_argument("-o", "--out", required=True, help="attnserve model directory to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = import_hf(args.src, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

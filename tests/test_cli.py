@@ -1,0 +1,30 @@
+"""The `attnserve` entry point dispatches to subcommands without importing what it does not need."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from attnserve.cli import COMMANDS, main
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["fly"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from attnserve.cli import main; main(['--help']); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_subcommand_help_runs():
+    for name in ("train", "import-hf", "generate-local"):
+        out = subprocess.run([sys.executable, "-m", "attnserve", name, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage:" in out.stdout, name
