@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
+    "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
 }
 
 

@@ -21,7 +21,8 @@ class GPTConfig:
     n_head: int = 4  # attention heads per block; d_model must divide evenly among them
     d_model: int = 256  # width of the residual stream
     d_ff: int | None = None  # hidden width of the feed-forward; None means 4 * d_model
-    dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
+    dropout: float = 0.0  # dropout on the embeddings and on each residual branch
+    attn_dropout: float = 0.0  # dropout on attention weights; > 0 rules out torch's fused attention kernel
     bias: bool = True  # biases in the linear layers and LayerNorms (GPT-2 has them)
     layer_norm_eps: float = 1e-5  # epsilon inside every LayerNorm
     pos_encoding: Literal["learned", "sinusoidal"] = "learned"  # how positions enter the stream

@@ -49,7 +49,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = MultiHeadAttention(config.d_model, config.n_head, config.dropout, config.bias)
+        self.attn = MultiHeadAttention(config.d_model, config.n_head, config.attn_dropout, config.bias)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
         self.ffn = FeedForward(config)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -32,3 +34,23 @@ def make_model(seed: int = 0, **overrides) -> GPT:
 @pytest.fixture
 def tiny_model() -> GPT:
     return make_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved random model with a context long enough for export verification."""
+    from model.checkpoint import save_model_dir
+
+    path = tmp_path_factory.mktemp("model")
+    save_model_dir(make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128), tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model exported with every graph variant."""
+    from export.cli import export_bundle
+
+    path = tmp_path_factory.mktemp("bundle")
+    export_bundle(tiny_model_dir, path, name="tiny", optimized=True, int8=True, fp16=True)
+    return path

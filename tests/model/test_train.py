@@ -17,7 +17,7 @@ CORPUS = Corpus(train=TINY_TEXTS * 4, val=TINY_TEXTS[:3])
 
 def tiny_config(out, **overrides) -> TrainConfig:
     fields = dict(out=str(out), vocab_size=300, n_layer=2, n_head=2, d_model=32, n_ctx=32, batch_size=8,
-                  max_steps=40, warmup_steps=5, eval_interval=10, eval_windows=8, lr=3e-3, bf16=False, threads=1)
+                  max_steps=40, warmup_steps=5, eval_interval=10, eval_windows=8, lr=3e-3, bf16=False, compile=False, threads=1)
     fields.update(overrides)
     return TrainConfig(**fields)
 

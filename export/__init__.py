@@ -1,0 +1,1 @@
+"""Turn a model directory into an ONNX bundle that serving runs with onnxruntime and numpy alone."""

@@ -1,0 +1,81 @@
+"""Assemble a bundle directory from a model directory: graphs, tokenizer, manifest, metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+
+from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
+from model.gpt import GPT
+from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, write_manifest
+
+GRAPH_FILES = {"fp32": "model.onnx", "optimized": "model.opt.onnx", "int8": "model.int8.onnx",
+               "fp16": "model.fp16.onnx"}
+DESCRIPTIONS = {
+    "fp32": "the exported decoder, fp32",
+    "optimized": "fp32 with onnxruntime's transformer fusions",
+    "int8": "dynamic INT8 MatMul weights, for CPU",
+    "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def graph_spec(variant: str, n_layer: int) -> GraphSpec:
+    dtype = "float16" if variant == "fp16" else "float32"
+    in_names, out_names = decoder_io_names(n_layer)
+    kv_in = ["batch", "n_head", "past_seq", "d_head"]
+    kv_out = ["batch", "n_head", "total_seq", "d_head"]
+    inputs = [TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
+              TensorSpec(name="attention_mask", dtype="int64", shape=["batch", "total_seq"]),
+              TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"])]
+    inputs += [TensorSpec(name=n, dtype=dtype, shape=kv_in) for n in in_names[3:]]
+    outputs = [TensorSpec(name="logits", dtype=dtype, shape=["batch", "seq", "vocab"])]
+    outputs += [TensorSpec(name=n, dtype=dtype, shape=kv_out) for n in out_names[1:]]
+    return GraphSpec(file=GRAPH_FILES[variant], dtype=dtype, description=DESCRIPTIONS[variant],
+                     inputs=inputs, outputs=outputs)
+
+
+def make_manifest(model: GPT, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,
+                  variants: list[str], default: str) -> Manifest:
+    c = model.config
+    spec = ModelSpec(name=name, vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer, n_head=c.n_head,
+                     d_model=c.d_model, d_head=c.d_head, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id)
+    return Manifest(model=spec, special_tokens=tokenizer_special, opset=opset, source_weights_sha256=weights_sha,
+                    default_graph=default, graphs={v: graph_spec(v, c.n_layer) for v in variants})
+
+
+def stamp_metadata(path: Path, manifest: Manifest) -> None:
+    """Copy the essentials into the ONNX file's metadata_props, so a lone .onnx still says what it is."""
+    model = onnx.load(str(path))
+    props = {"attnserve.model": manifest.model.model_dump_json(),
+             "attnserve.special_tokens": json.dumps(manifest.special_tokens),
+             "attnserve.source_weights_sha256": manifest.source_weights_sha256}
+    del model.metadata_props[:]
+    for k, v in props.items():
+        model.metadata_props.add(key=k, value=v)
+    onnx.save(model, str(path))
+
+
+def special_tokens(model_dir: Path) -> dict[str, int]:
+    _, tokenizer = load_model_dir(model_dir)
+    added = tokenizer.hf.get_added_tokens_decoder()
+    return {tok.content: idx for idx, tok in added.items() if tok.special}
+
+
+def copy_tokenizer(model_dir: Path, bundle_dir: Path) -> None:
+    shutil.copyfile(model_dir / TOKENIZER_FILE, bundle_dir / TOKENIZER_FILE)
+
+
+def weights_hash(model_dir: Path) -> str:
+    return sha256_file(model_dir / WEIGHTS_FILE)

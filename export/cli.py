@@ -1,0 +1,89 @@
+"""`attnserve export <model dir> -o <bundle dir>`: write, verify and derive an ONNX bundle.
+
+    attnserve export models/shakespeare -o models/shakespeare/onnx --verify
+    attnserve export models/shakespeare -o /tmp/bundle --optimize --int8 --fp16 --verify
+
+Also runs as `python -m export`. Exits non-zero if verification fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from export.bundle_writer import (
+    GRAPH_FILES,
+    copy_tokenizer,
+    make_manifest,
+    special_tokens,
+    stamp_metadata,
+    weights_hash,
+)
+from export.onnx_export import DEFAULT_OPSET, export_decoder
+from export.variants import convert_fp16, node_count, optimize, quantize_int8
+from model.checkpoint import load_model_dir
+from service.bundle import write_manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnserve export", description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir", type=Path, help="model directory (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="bundle directory to write")
+    p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--optimize", action="store_true", help="also write the fused graph (becomes the default)")
+    p.add_argument("--int8", action="store_true", help="also write the dynamic-INT8 graph (CPU)")
+    p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
+    p.add_argument("--verify", action="store_true", help="compare every fp32 graph with PyTorch")
+    p.add_argument("--tol", type=float, default=1e-4, help="max |Δlogits| allowed by --verify")
+    return p
+
+
+def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
+                  optimized: bool = False, int8: bool = False, fp16: bool = False) -> list[str]:
+    """Write the bundle; returns the graph variants written."""
+    model, _ = load_model_dir(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
+    variants = ["fp32"]
+    if optimized:
+        optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
+        variants.append("optimized")
+    if int8:
+        quantize_int8(fp32, out / GRAPH_FILES["int8"])
+        variants.append("int8")
+    if fp16:
+        convert_fp16(fp32, out / GRAPH_FILES["fp16"])
+        variants.append("fp16")
+    manifest = make_manifest(model, special_tokens(model_dir), name or model_dir.resolve().name, opset,
+                             weights_hash(model_dir), variants, "optimized" if optimized else "fp32")
+    for v in variants:
+        stamp_metadata(out / GRAPH_FILES[v], manifest)
+    copy_tokenizer(model_dir, out)
+    write_manifest(out, manifest)
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
+                             int8=args.int8, fp16=args.fp16)
+    for v in variants:
+        print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
+    if not args.verify:
+        return 0
+    from export.verify import verify
+    from service.runner import OnnxRunner
+
+    model, _ = load_model_dir(args.model_dir)
+    ok = True
+    for v in (v for v in variants if v in ("fp32", "optimized")):
+        report = verify(model, OnnxRunner(args.out, graph=v, provider="cpu"), tol=args.tol)
+        print(report.format())
+        ok &= report.passed
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

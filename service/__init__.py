@@ -1,0 +1,1 @@
+"""Serving: reads ONNX bundles with onnxruntime + numpy only. Nothing here imports torch."""

@@ -1,0 +1,94 @@
+"""The ONNX bundle: what `attnserve export` writes and what serving reads, without torch.
+
+    <bundle>/bundle.json       this manifest: config, special ids, I/O specs, opset, weights hash
+    <bundle>/tokenizer.json    the tokenizer, copied from the model directory
+    <bundle>/model.onnx        the decoder graph (fp32); variants beside it (see `graphs`)
+
+`load_bundle` checks everything serving depends on before a session is created, and raises
+`BundleError` with a one-line cause: missing files, a corrupt manifest, a graph whose inputs or
+outputs differ from the manifest, or a tokenizer that does not fit the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+
+MANIFEST_FILE = "bundle.json"
+FORMAT = "attnserve-onnx"
+FORMAT_VERSION = 1
+
+
+class BundleError(Exception):
+    """A bundle cannot be served; the message says why in one line."""
+
+
+class TensorSpec(BaseModel):
+    name: str  # graph input/output name
+    dtype: str  # numpy dtype name: int64, float32, float16
+    shape: list[str | int]  # symbolic dims are names (batch, seq, past_seq, total_seq)
+
+
+class GraphSpec(BaseModel):
+    file: str  # ONNX file name inside the bundle
+    dtype: Literal["float32", "float16"]  # dtype of logits and the KV cache
+    description: str  # what this variant is for
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+class ModelSpec(BaseModel):
+    name: str  # model name reported to clients
+    vocab_size: int
+    n_ctx: int  # longest sequence, prompt + generated
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_head: int
+    eos_token_id: int
+    bos_token_id: int | None = None
+
+
+class Manifest(BaseModel):
+    format: Literal["attnserve-onnx"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    model: ModelSpec
+    tokenizer_file: str = "tokenizer.json"
+    special_tokens: dict[str, int]  # token string -> id
+    opset: int  # default-domain ONNX opset of every graph
+    source_weights_sha256: str  # sha256 of the model.safetensors the graphs were exported from
+    default_graph: str  # key into graphs used when no variant is asked for
+    graphs: dict[str, GraphSpec]  # variant name -> graph
+
+
+def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """The decoder's input and output names, in graph order (optimum / onnxruntime-genai naming)."""
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    for i in range(n_layer):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:
+    (Path(bundle_dir) / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    path = Path(bundle_dir) / MANIFEST_FILE
+    if not Path(bundle_dir).is_dir():
+        raise BundleError(f"bundle directory {bundle_dir} does not exist")
+    if not path.is_file():
+        raise BundleError(f"{path} is missing: not an attnserve bundle (run 'attnserve export')")
+    try:
+        return Manifest.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path} is not valid JSON: {e}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BundleError(f"{path} is not a valid manifest: {where}: {first['msg']}") from None

@@ -1,0 +1,104 @@
+"""ONNX export: the bundle's contract, verification against PyTorch, and the derived graphs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export.bundle_writer import GRAPH_FILES, sha256_file
+from export.cli import export_bundle
+from export.variants import node_count
+from export.verify import verify
+from model.checkpoint import load_model_dir
+from service.bundle import decoder_io_names, read_manifest
+from service.runner import OnnxRunner
+
+
+def test_manifest_describes_the_model_and_the_graphs(tiny_bundle, tiny_model_dir):
+    m = read_manifest(tiny_bundle)
+    model, tok = load_model_dir(tiny_model_dir)
+    assert (m.model.vocab_size, m.model.n_ctx, m.model.n_layer, m.model.n_head, m.model.d_head) == (
+        model.config.vocab_size, 128, 2, 4, 8)
+    assert m.model.eos_token_id == tok.eos_id and m.special_tokens == {"<|endoftext|>": tok.eos_id}
+    assert m.source_weights_sha256 == sha256_file(tiny_model_dir / "model.safetensors")
+    assert set(m.graphs) == {"fp32", "optimized", "int8", "fp16"} and m.default_graph == "optimized"
+    assert (tiny_bundle / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    assert m.opset == 17
+
+
+@pytest.mark.parametrize("variant", ["fp32", "optimized", "int8", "fp16"])
+def test_graph_io_names_shapes_and_metadata(tiny_bundle, variant):
+    graph = onnx.load(str(tiny_bundle / GRAPH_FILES[variant]))
+    inputs, outputs = decoder_io_names(2)
+    assert [i.name for i in graph.graph.input] == inputs
+    assert [o.name for o in graph.graph.output] == outputs
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+    assert dims["input_ids"] == ["batch", "seq"] and dims["attention_mask"] == ["batch", "total_seq"]
+    assert dims["past_key_values.1.value"] == ["batch", 4, "past_seq", 8]
+    props = {p.key: p.value for p in graph.metadata_props}
+    assert json.loads(props["attnserve.model"])["name"] == "tiny"
+    assert {o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")} == {17}
+
+
+@pytest.mark.parametrize("variant", ["fp32", "optimized"])
+def test_verification_against_pytorch_passes(tiny_bundle, tiny_model_dir, variant):
+    model, _ = load_model_dir(tiny_model_dir)
+    report = verify(model, OnnxRunner(tiny_bundle, graph=variant, provider="cpu"))
+    assert report.passed, report.format()
+    assert [c.name for c in report.checks] == ["checker", "prefill", "decode", "greedy"]
+    assert all(c.max_abs_diff <= 1e-4 for c in report.checks)
+
+
+def test_verification_catches_a_wrong_graph(tiny_bundle, tiny_model_dir):
+    model, _ = load_model_dir(tiny_model_dir)
+    with torch.no_grad():
+        model.ln_f.bias += 0.01  # PyTorch now differs from the exported graph
+    report = verify(model, OnnxRunner(tiny_bundle, graph="fp32", provider="cpu"))
+    assert not report.passed and "FAILED" in report.format()
+
+
+def test_optimized_graph_has_fewer_nodes(tiny_bundle):
+    assert node_count(tiny_bundle / GRAPH_FILES["optimized"]) < node_count(tiny_bundle / GRAPH_FILES["fp32"])
+
+
+@pytest.mark.parametrize("variant,rel", [("int8", 0.1), ("fp16", 0.01)])
+def test_reduced_precision_graphs_stay_close(tiny_bundle, variant, rel):
+    ref = OnnxRunner(tiny_bundle, graph="fp32", provider="cpu")
+    other = OnnxRunner(tiny_bundle, graph=variant, provider="cpu")
+    ids = np.array([[5, 9, 17, 33, 2, 8]])
+    mask, pos = np.ones_like(ids), np.arange(6)[None]
+    want, _ = ref.step(ids, pos, mask, ref.empty_cache(1))
+    got, cache = other.step(ids, pos, mask, other.empty_cache(1))
+    assert got.dtype == np.dtype(other.spec.dtype) and cache[0].dtype == np.dtype(other.spec.dtype)
+    err = np.abs(got.astype(np.float32) - want).max()
+    assert 0 < err <= rel * np.abs(want).max()  # close, and not the fp32 graph under another name
+
+
+def test_export_cli_verifies_and_exits_zero(tiny_model_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "export", str(tiny_model_dir), "-o", str(tmp_path), "--verify"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "PASSED" in out.stdout and "max|Δlogits|" in out.stdout
+
+
+def test_imported_gpt2_exports_and_verifies(tiny_tokenizer, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from model.import_hf import import_hf
+
+    cfg = transformers.GPT2Config(vocab_size=tiny_tokenizer.vocab_size, n_positions=160, n_embd=32, n_layer=2,
+                                  n_head=2, eos_token_id=tiny_tokenizer.eos_id)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    tiny_tokenizer.save(tmp_path / "hf" / "tokenizer.json")
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    export_bundle(tmp_path / "ours", tmp_path / "bundle", optimized=True, int8=True)
+    model, _ = load_model_dir(tmp_path / "ours")
+    for variant in ("fp32", "optimized"):
+        report = verify(model, OnnxRunner(tmp_path / "bundle", graph=variant, provider="cpu"))
+        assert report.passed, report.format()
