@@ -3,14 +3,17 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= models/shakespeare
+BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= Rom.
 
-.PHONY: help install test lint generate train clean
+.PHONY: help install test lint generate train bundle bench-onnx clean
 
 help:
 	@echo "make generate   sample text from the shipped default model"
 	@echo "make test       run the whole test suite (sets up .venv first)"
 	@echo "make train      retrain the default model (about 30 minutes on 2 cores)"
+	@echo "make bundle     export the default model to its ONNX bundle and verify it"
+	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -32,6 +35,14 @@ generate: install
 
 train: install
 	$(BIN)/attnserve train --out $(MODEL)
+
+bundle: install
+	rm -rf $(BUNDLE)
+	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --optimize --int8 --no-fp32 --verify
+
+bench-onnx: install
+	$(BIN)/attnserve export $(MODEL) -o runs/bundle-all --optimize --int8 --fp16
+	$(BIN)/python -m bench.onnx_variants --bundle runs/bundle-all --quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -11,7 +11,7 @@ import onnx
 
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
 from model.gpt import GPT
-from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, write_manifest
+from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names
 
 GRAPH_FILES = {"fp32": "model.onnx", "optimized": "model.opt.onnx", "int8": "model.int8.onnx",
                "fp16": "model.fp16.onnx"}

@@ -35,13 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimize", action="store_true", help="also write the fused graph (becomes the default)")
     p.add_argument("--int8", action="store_true", help="also write the dynamic-INT8 graph (CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
+    p.add_argument("--no-fp32", dest="keep_fp32", action="store_false",
+                   help="with --optimize: leave out the unfused fp32 graph (smaller bundle)")
     p.add_argument("--verify", action="store_true", help="compare every fp32 graph with PyTorch")
     p.add_argument("--tol", type=float, default=1e-4, help="max |Δlogits| allowed by --verify")
     return p
 
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, fp16: bool = False) -> list[str]:
+                  optimized: bool = False, int8: bool = False, fp16: bool = False, keep_fp32: bool = True) -> list[str]:
     """Write the bundle; returns the graph variants written."""
     model, _ = load_model_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,6 +58,9 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if fp16:
         convert_fp16(fp32, out / GRAPH_FILES["fp16"])
         variants.append("fp16")
+    if optimized and not keep_fp32:
+        fp32.unlink()
+        variants.remove("fp32")
     manifest = make_manifest(model, special_tokens(model_dir), name or model_dir.resolve().name, opset,
                              weights_hash(model_dir), variants, "optimized" if optimized else "fp32")
     for v in variants:
@@ -68,7 +73,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
-                             int8=args.int8, fp16=args.fp16)
+                             int8=args.int8, fp16=args.fp16, keep_fp32=args.keep_fp32)
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
     if not args.verify:

@@ -12,7 +12,8 @@ import torch
 
 from model.checkpoint import load_model_dir
 from model.data import load_corpus
-from model.train import bits_per_char, encode_documents, evaluate
+from model.scoring import bits_per_char, encode_documents
+from model.train import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "shakespeare"

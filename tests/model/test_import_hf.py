@@ -18,7 +18,10 @@ def save_random_gpt2(path, tokenizer, safe_serialization=True, **overrides):
     fields.update(overrides)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields)).eval()
-    hf.save_pretrained(path, safe_serialization=safe_serialization)
+    hf.save_pretrained(path)
+    if not safe_serialization:  # the legacy pickle format, as older checkpoints ship it
+        (path / "model.safetensors").unlink()
+        torch.save(hf.state_dict(), path / "pytorch_model.bin")
     return hf
 
 

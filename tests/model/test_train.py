@@ -9,7 +9,8 @@ import pytest
 from safetensors.torch import load_file
 
 from model.data import Corpus
-from model.train import TrainConfig, bits_per_char, lr_at, train
+from model.scoring import bits_per_char
+from model.train import TrainConfig, lr_at, train
 from tests.conftest import TINY_TEXTS
 
 CORPUS = Corpus(train=TINY_TEXTS * 4, val=TINY_TEXTS[:3])
@@ -74,9 +75,26 @@ def test_same_seed_gives_the_same_model_and_resume_continues_exactly(tmp_path):
 @pytest.mark.slow
 def test_best_checkpoint_is_kept(tmp_path):
     # A learning rate this high diverges: the kept model is from the best validation step, not the last.
-    train(tiny_config(tmp_path, lr=3.0, warmup_steps=1, min_lr=3.0), corpus=CORPUS)
+    train(tiny_config(tmp_path, optimizer="adamw", lr=3.0, warmup_steps=1, min_lr=3.0), corpus=CORPUS)
     history = json.loads((tmp_path / "training_log.json").read_text())["history"]
     best = min(history, key=lambda h: h["val_loss"])
     final = json.loads((tmp_path / "training_log.json").read_text())["result"]["val_nats_per_token"]
     assert best["step"] != history[-1]["step"]
     assert final == pytest.approx(best["val_loss"], rel=1e-4)
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_rest():
+    from model.train import make_optimizers
+    from tests.conftest import make_model
+
+    model = make_model()
+    adamw, muon = make_optimizers(model, TrainConfig(optimizer="muon"))
+    muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
+    adamw_ids = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert muon_ids == {id(b.attn.qkv_proj.weight) for b in model.blocks} | {
+        id(m.weight) for b in model.blocks for m in (b.attn.out_proj, b.ffn.fc_in, b.ffn.fc_out)}
+    assert id(model.tok_emb.weight) in adamw_ids and not muon_ids & adamw_ids
+    assert len(muon_ids) + len(adamw_ids) == len(list(model.parameters()))
+    assert len(make_optimizers(model, TrainConfig(optimizer="adamw"))) == 1
+    with pytest.raises(ValueError, match="optimizer"):
+        make_optimizers(model, TrainConfig(optimizer="sgd"))
