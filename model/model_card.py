@@ -44,6 +44,8 @@ def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, com
     sample = SAMPLE_PROMPT + tokenizer.decode(sample_ids, skip_special_tokens=True)
     sample_command = (f"attnserve generate-local {json.dumps(SAMPLE_PROMPT)} --max-new-tokens {n_new} "
                       "--temperature 0.8 --top-k 50 --seed 0")
+    optimizer = ("Muon for the blocks' weight matrices and AdamW (β = 0.9, 0.95) for the rest"
+                 if t.get("optimizer") == "muon" else "AdamW (β = 0.9, 0.95)")
     card = f"""# attnserve default model: Shakespeare GPT
 
 A {r['parameters'] / 1e6:.2f}M-parameter decoder-only Transformer trained from scratch on CPU.
@@ -74,7 +76,7 @@ training plays with Hugging Face `tokenizers`.
 ```
 {command}
 ```
-AdamW (β = 0.9, 0.95), linear warmup then cosine decay, gradient clipping; seed {t['seed']}.
+{optimizer}, linear warmup then cosine decay, gradient clipping; seed {t['seed']}.
 `training_log.json` has every setting and the validation history; `loss_curve.png` plots it.
 
 ![loss curve](loss_curve.png)
