@@ -9,8 +9,9 @@ from pathlib import Path
 
 import onnx
 
-from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
+from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
+from model.tokenizer import Tokenizer
 from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names
 
 GRAPH_FILES = {"fp32": "model.onnx", "optimized": "model.opt.onnx", "int8": "model.int8.onnx",
@@ -67,8 +68,7 @@ def stamp_metadata(path: Path, manifest: Manifest) -> None:
     onnx.save(model, str(path))
 
 
-def special_tokens(model_dir: Path) -> dict[str, int]:
-    _, tokenizer = load_model_dir(model_dir)
+def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     added = tokenizer.hf.get_added_tokens_decoder()
     return {tok.content: idx for idx, tok in added.items() if tok.special}
 

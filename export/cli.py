@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
                   optimized: bool = False, int8: bool = False, fp16: bool = False, keep_fp32: bool = True) -> list[str]:
     """Write the bundle; returns the graph variants written."""
-    model, _ = load_model_dir(model_dir)
+    model, tokenizer = load_model_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
     variants = ["fp32"]
@@ -61,7 +61,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if optimized and not keep_fp32:
         fp32.unlink()
         variants.remove("fp32")
-    manifest = make_manifest(model, special_tokens(model_dir), name or model_dir.resolve().name, opset,
+    manifest = make_manifest(model, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
                              weights_hash(model_dir), variants, "optimized" if optimized else "fp32")
     for v in variants:
         stamp_metadata(out / GRAPH_FILES[v], manifest)
