@@ -38,7 +38,7 @@ train: install
 
 bundle: install
 	rm -rf $(BUNDLE)
-	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --optimize --int8 --no-fp32 --verify
+	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --int8 --no-fp32 --verify
 
 bench-onnx: install
 	$(BIN)/attnserve export $(MODEL) -o runs/bundle-all --optimize --int8 --fp16

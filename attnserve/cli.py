@@ -14,6 +14,7 @@ COMMANDS = {
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
+    "bench": ("bench.cli", "run a benchmark (engine, ...) and record it in docs/BENCHMARKS.md"),
 }
 
 

@@ -22,7 +22,7 @@ import onnxruntime as ort
 from model.data import load_corpus
 from model.scoring import bits_per_char, encode_documents, eval_batches
 from service.bundle import read_manifest
-from service.runner import OnnxRunner
+from service.concat_runner import OnnxRunner
 
 
 def decode_latency_ms(runner: OnnxRunner, prompt_len: int = 16, steps: int = 64, repeats: int = 5) -> float:

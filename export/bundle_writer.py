@@ -12,11 +12,14 @@ import onnx
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
-from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names
+from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, static_io_names
 
-GRAPH_FILES = {"fp32": "model.onnx", "optimized": "model.opt.onnx", "int8": "model.int8.onnx",
-               "fp16": "model.fp16.onnx"}
+GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx", "fp32": "model.onnx",
+               "optimized": "model.opt.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+STATIC_VARIANTS = ("static", "static-int8")
 DESCRIPTIONS = {
+    "static": "the serving graph: fp32, GroupQueryAttention over a fixed KV buffer updated in place",
+    "static-int8": "the serving graph with dynamic INT8 MatMul weights, for CPU",
     "fp32": "the exported decoder, fp32",
     "optimized": "fp32 with onnxruntime's transformer fusions",
     "int8": "dynamic INT8 MatMul weights, for CPU",
@@ -32,7 +35,23 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
+    in_names, out_names = static_io_names(n_layer)
+    kv = ["batch", "n_head", "max_seq", "d_head"]
+    inputs = [TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
+              TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"]),
+              TensorSpec(name="seqlens_k", dtype="int32", shape=["batch"]),
+              TensorSpec(name="total_sequence_length", dtype="int32", shape=[])]
+    inputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in in_names[4:]]
+    outputs = [TensorSpec(name="logits", dtype="float32", shape=["batch", "seq", "vocab"])]
+    outputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in out_names[1:]]
+    return GraphSpec(file=GRAPH_FILES[variant], cache="static", dtype="float32", description=DESCRIPTIONS[variant],
+                     inputs=inputs, outputs=outputs)
+
+
 def graph_spec(variant: str, n_layer: int) -> GraphSpec:
+    if variant in STATIC_VARIANTS:
+        return static_graph_spec(variant, n_layer)
     dtype = "float16" if variant == "fp16" else "float32"
     in_names, out_names = decoder_io_names(n_layer)
     kv_in = ["batch", "n_head", "past_seq", "d_head"]

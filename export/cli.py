@@ -1,7 +1,11 @@
 """`attnserve export <model dir> -o <bundle dir>`: write, verify and derive an ONNX bundle.
 
-    attnserve export models/shakespeare -o models/shakespeare/onnx --verify
+    attnserve export models/shakespeare -o models/shakespeare-onnx --verify
     attnserve export models/shakespeare -o /tmp/bundle --optimize --int8 --fp16 --verify
+
+Every bundle holds the serving graph (`static`: a fixed KV buffer updated in place, the default)
+and the standard graph with a Concat cache (`fp32`, or `optimized`), which other ONNX tools
+understand.
 
 Also runs as `python -m export`. Exits non-zero if verification fails.
 """
@@ -21,6 +25,7 @@ from export.bundle_writer import (
     weights_hash,
 )
 from export.onnx_export import DEFAULT_OPSET, export_decoder
+from export.static_cache_graph import export_static_cache_decoder
 from export.variants import convert_fp16, node_count, optimize, quantize_int8
 from model.checkpoint import load_model_dir
 from service.bundle import write_manifest
@@ -32,23 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", type=Path, required=True, help="bundle directory to write")
     p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
-    p.add_argument("--optimize", action="store_true", help="also write the fused graph (becomes the default)")
-    p.add_argument("--int8", action="store_true", help="also write the dynamic-INT8 graph (CPU)")
+    p.add_argument("--optimize", action="store_true", help="also write the standard graph with fusions applied")
+    p.add_argument("--int8", action="store_true", help="also write dynamic-INT8 graphs (CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
     p.add_argument("--no-fp32", dest="keep_fp32", action="store_false",
-                   help="with --optimize: leave out the unfused fp32 graph (smaller bundle)")
+                   help="leave out the standard fp32 graph (its fused or INT8 forms stay; smaller bundle)")
     p.add_argument("--verify", action="store_true", help="compare every fp32 graph with PyTorch")
+    p.add_argument("--default", choices=sorted(GRAPH_FILES), default="static",
+                   help="graph the server uses when none is asked for (default: static)")
     p.add_argument("--tol", type=float, default=1e-4, help="max |Δlogits| allowed by --verify")
     return p
 
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, fp16: bool = False, keep_fp32: bool = True) -> list[str]:
+                  optimized: bool = False, int8: bool = False, fp16: bool = False, keep_fp32: bool = True,
+                  default: str = "static") -> list[str]:
     """Write the bundle; returns the graph variants written."""
+    if not keep_fp32 and not (optimized or int8 or fp16):
+        raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: a bundle keeps a standard graph")
     model, tokenizer = load_model_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
+    static = export_static_cache_decoder(model, out / GRAPH_FILES["static"])
     fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
-    variants = ["fp32"]
+    variants = ["static", "fp32"]
+    if int8:
+        quantize_int8(static, out / GRAPH_FILES["static-int8"])
+        variants.append("static-int8")
     if optimized:
         optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
         variants.append("optimized")
@@ -58,11 +72,13 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if fp16:
         convert_fp16(fp32, out / GRAPH_FILES["fp16"])
         variants.append("fp16")
-    if optimized and not keep_fp32:
+    if not keep_fp32:
         fp32.unlink()
         variants.remove("fp32")
+    if default not in variants:
+        raise ValueError(f"default graph {default!r} was not written; the bundle has {variants}")
     manifest = make_manifest(model, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
-                             weights_hash(model_dir), variants, "optimized" if optimized else "fp32")
+                             weights_hash(model_dir), variants, default)
     for v in variants:
         stamp_metadata(out / GRAPH_FILES[v], manifest)
     copy_tokenizer(model_dir, out)
@@ -73,16 +89,18 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
-                             int8=args.int8, fp16=args.fp16, keep_fp32=args.keep_fp32)
+                             int8=args.int8, fp16=args.fp16, keep_fp32=args.keep_fp32, default=args.default)
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
     if not args.verify:
         return 0
-    from export.verify import verify
-    from service.runner import OnnxRunner
+    from export.verify import verify, verify_static
+    from service.concat_runner import OnnxRunner
 
     model, _ = load_model_dir(args.model_dir)
-    ok = True
+    report = verify_static(model, args.out, "static", tol=args.tol)
+    print(report.format())
+    ok = report.passed
     for v in (v for v in variants if v in ("fp32", "optimized")):
         report = verify(model, OnnxRunner(args.out, graph=v, provider="cpu"), tol=args.tol)
         print(report.format())

@@ -28,8 +28,9 @@ def quantize_int8(src: Path, dst: Path) -> Path:
     """Dynamic INT8 quantisation of the MatMul weights, for CPU (activations stay fp32)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    # contrib ops (GroupQueryAttention) defeat shape inference; their outputs are float
     quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                     per_channel=True)
+                     per_channel=True, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     return dst
 
 

@@ -32,8 +32,12 @@ class TensorSpec(BaseModel):
     shape: list[str | int]  # symbolic dims are names (batch, seq, past_seq, total_seq)
 
 
+CacheLayout = Literal["concat", "static"]
+
+
 class GraphSpec(BaseModel):
     file: str  # ONNX file name inside the bundle
+    cache: CacheLayout = "concat"  # concat: past in, past+new out; static: one fixed buffer updated in place
     dtype: Literal["float32", "float16"]  # dtype of logits and the KV cache
     description: str  # what this variant is for
     inputs: list[TensorSpec]
@@ -63,6 +67,16 @@ class Manifest(BaseModel):
     default_graph: str  # key into graphs used when no variant is asked for
     graphs: dict[str, GraphSpec]  # variant name -> graph
 
+    def preferred_graph(self, cache: CacheLayout) -> str:
+        """The default graph if it has this cache layout, else the first graph that has it."""
+        if self.graphs.get(self.default_graph) and self.graphs[self.default_graph].cache == cache:
+            return self.default_graph
+        for name, spec in self.graphs.items():
+            if spec.cache == cache:
+                return name
+        raise BundleError(f"the bundle has no graph with a {cache} KV cache (it has {sorted(self.graphs)}); "
+                          f"re-export it with a current 'attnserve export'")
+
 
 def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
     """The decoder's input and output names, in graph order (optimum / onnxruntime-genai naming)."""
@@ -72,6 +86,20 @@ def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
         inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
     return inputs, outputs
+
+
+def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """The static-cache decoder's names (onnxruntime-genai's GroupQueryAttention inputs)."""
+    inputs = ["input_ids", "position_ids", "seqlens_k", "total_sequence_length"]
+    outputs = ["logits"]
+    for i in range(n_layer):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def graph_io_names(cache: CacheLayout, n_layer: int) -> tuple[list[str], list[str]]:
+    return decoder_io_names(n_layer) if cache == "concat" else static_io_names(n_layer)
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:

@@ -1,124 +1,109 @@
-"""The ONNX Runtime session: feeds in, logits and the new KV cache out. numpy only, no torch.
+"""The model runner: the static-cache graph on onnxruntime, bound once to the KV cache. numpy only.
 
-`OnnxRunner.step(input_ids, position_ids, attention_mask, cache) -> (logits, cache)` runs one
-prefill or decode step of the bundle's decoder graph. The cache is a list of 2·n_layer arrays
-[batch, n_head, past_seq, d_head] in graph order (layer 0 key, layer 0 value, layer 1 key, ...).
+    decode(ids, positions)              one new token for each of slots [0, n) -> logits [n, vocab]
+    prefill(slot, ids, start)           `ids` for one slot, written from position `start`
+    prefill_batch(first_slot, prompts)  whole prompts for slots first_slot ... first_slot + k - 1
+
+Past and present of every layer are bound, through IO binding, to the same views of the cache
+buffers, so onnxruntime's GroupQueryAttention writes the new keys and values in place and reads
+only each row's live prefix. Decode bindings are built once per batch size and reused: a decode
+step only writes the small input arrays in place and runs. Prefill binds per call.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from model.tokenizer import Tokenizer
-from service.bundle import BundleError, GraphSpec, Manifest, decoder_io_names, read_manifest
-
-log = logging.getLogger(__name__)
-
-Provider = Literal["auto", "cpu", "cuda"]
-PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+from service.bundle import BundleError
+from service.kv_cache import CacheShape, KVCache
+from service.session import Provider, open_graph
 
 
-def choose_providers(provider: Provider) -> list[str]:
-    available = ort.get_available_providers()
-    if provider == "cuda" and PROVIDER_NAMES["cuda"] not in available:
-        raise BundleError(f"provider 'cuda' was asked for, but this onnxruntime offers only {available} "
-                          "(install onnxruntime-gpu on a machine with CUDA)")
-    if provider == "cuda" or (provider == "auto" and PROVIDER_NAMES["cuda"] in available):
-        return [PROVIDER_NAMES["cuda"], PROVIDER_NAMES["cpu"]]
-    return [PROVIDER_NAMES["cpu"]]
-
-
-def load_tokenizer(bundle_dir: Path, manifest: Manifest) -> Tokenizer:
-    path = bundle_dir / manifest.tokenizer_file
-    if not path.is_file():
-        raise BundleError(f"tokenizer {path} is missing")
-    try:
-        tokenizer = Tokenizer.from_file(path, eos_id=manifest.model.eos_token_id)
-    except Exception as e:  # tokenizers raises bare Exceptions for unreadable files
-        raise BundleError(f"tokenizer {path} cannot be read: {e}") from None
-    if tokenizer.vocab_size > manifest.model.vocab_size:
-        raise BundleError(f"tokenizer {path} has {tokenizer.vocab_size} tokens but the model's vocabulary "
-                          f"is {manifest.model.vocab_size}: they do not belong together")
-    for token, token_id in manifest.special_tokens.items():
-        if tokenizer.hf.token_to_id(token) != token_id:
-            raise BundleError(f"tokenizer {path} maps {token!r} to {tokenizer.hf.token_to_id(token)}, "
-                              f"the bundle expects {token_id}: they do not belong together")
-    return tokenizer
-
-
-class OnnxRunner:
+class ModelRunner:
     def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
                  intra_op_threads: int = 0, inter_op_threads: int = 1):
-        self.bundle_dir = Path(bundle_dir)
-        self.manifest = read_manifest(self.bundle_dir)
-        name = graph or self.manifest.default_graph
-        if name not in self.manifest.graphs:
-            raise BundleError(f"graph {name!r} is not in the bundle; it has {sorted(self.manifest.graphs)}")
-        self.graph_name = name
-        self.spec: GraphSpec = self.manifest.graphs[name]
-        self.tokenizer = load_tokenizer(self.bundle_dir, self.manifest)
-        self.session = self._create_session(provider, intra_op_threads, inter_op_threads)
-        self._check_io()
-        self.cache_dtype = np.dtype(self.spec.dtype)
+        g = open_graph(bundle_dir, graph, "static", provider, intra_op_threads, inter_op_threads)
+        self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
+        self.tokenizer, self.session = g.tokenizer, g.session
+        if self.session.get_providers()[0] != "CPUExecutionProvider":
+            raise BundleError("the static-cache runner binds its KV cache in host memory and runs on the CPU "
+                              "execution provider only; use provider 'cpu'")
         m = self.manifest.model
-        log.info("onnxruntime %s: %s graph %s on %s (intra-op threads %s)", ort.__version__, m.name, name,
-                 self.session.get_providers()[0], intra_op_threads or "default")
+        self.vocab_size = m.vocab_size
+        self.cache_shape = CacheShape(m.n_layer, m.n_head, m.d_head, m.n_ctx, self.spec.dtype)
+        self.kv: KVCache | None = None
+        inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
+        self._past_names, self._present_names = inputs[4:], outputs[1:]
 
-    def _create_session(self, provider: Provider, intra: int, inter: int) -> ort.InferenceSession:
-        path = self.bundle_dir / self.spec.file
-        if not path.is_file():
-            raise BundleError(f"graph file {path} is missing")
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = intra
-        options.inter_op_num_threads = inter
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        try:
-            return ort.InferenceSession(str(path), options, providers=choose_providers(provider))
-        except BundleError:
-            raise
-        except Exception as e:
-            text = " ".join(str(e).split())
-            used, supported = re.search(r"Opset (\d+)", text), re.search(r"till opset (\d+)", text)
-            if used and supported:
-                raise BundleError(f"{path} uses ONNX opset {used[1]}, but onnxruntime {ort.__version__} supports "
-                                  f"opsets up to {supported[1]}: re-export with --opset {supported[1]} or lower, "
-                                  "or upgrade onnxruntime") from None
-            raise BundleError(f"{path} cannot be loaded by onnxruntime {ort.__version__}: {text}") from None
+    def attach(self, kv: KVCache) -> None:
+        """Use `kv` as the cache; decode buffers are sized for all of its slots, once."""
+        assert kv.shape == self.cache_shape, f"cache {kv.shape} does not fit the graph {self.cache_shape}"
+        self.kv = kv
+        n = kv.n_slots
+        self._ids = np.zeros((n, 1), dtype=np.int64)
+        self._pos = np.zeros((n, 1), dtype=np.int64)
+        self._seqlens = np.zeros(n, dtype=np.int32)
+        self._total = np.zeros((), dtype=np.int32)
+        self._logits = np.zeros((n, 1, self.vocab_size), dtype=np.float32)
+        self._decode_bindings: dict[int, ort.IOBinding] = {}
 
-    def _check_io(self) -> None:
-        inputs = [i.name for i in self.session.get_inputs()]
-        outputs = [o.name for o in self.session.get_outputs()]
-        want_in, want_out = decoder_io_names(self.manifest.model.n_layer)
-        for kind, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
-            if got != want:
-                missing = [n for n in want if n not in got]
-                extra = [n for n in got if n not in want]
-                detail = f"missing {missing}, unexpected {extra}" if missing or extra else f"order {got}"
-                raise BundleError(f"{self.spec.file} {kind} do not match the bundle contract: {detail}")
+    def _bind_cache(self, binding: ort.IOBinding, first: int, count: int) -> None:
+        for past, present, buf in zip(self._past_names, self._present_names, self.kv.buffers):
+            view = ort.OrtValue.ortvalue_from_numpy(buf[first:first + count])  # shares memory, no copy
+            binding.bind_ortvalue_input(past, view)
+            binding.bind_ortvalue_output(present, view)
 
-    @property
-    def n_layer(self) -> int:
-        return self.manifest.model.n_layer
+    def _decode_binding(self, n: int) -> ort.IOBinding:
+        binding = self._decode_bindings.get(n)
+        if binding is None:
+            binding = self.session.io_binding()
+            for name, array in (("input_ids", self._ids[:n]), ("position_ids", self._pos[:n]),
+                                ("seqlens_k", self._seqlens[:n]), ("total_sequence_length", self._total)):
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self._logits[:n]))
+            self._bind_cache(binding, 0, n)
+            self._decode_bindings[n] = binding
+        return binding
 
-    def empty_cache(self, batch: int) -> list[np.ndarray]:
-        m = self.manifest.model
-        return [np.zeros((batch, m.n_head, 0, m.d_head), dtype=self.cache_dtype) for _ in range(2 * m.n_layer)]
+    def decode(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Feed ids[i] at position positions[i] of slot i, for slots [0, n). Returns logits [n, vocab].
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One forward pass. attention_mask covers past + new positions; returns logits [B, T, V]."""
-        feeds = {"input_ids": input_ids.astype(np.int64, copy=False),
-                 "attention_mask": attention_mask.astype(np.int64, copy=False),
-                 "position_ids": position_ids.astype(np.int64, copy=False)}
-        for i in range(self.n_layer):
-            feeds[f"past_key_values.{i}.key"] = cache[2 * i]
-            feeds[f"past_key_values.{i}.value"] = cache[2 * i + 1]
-        logits, *present = self.session.run(None, feeds)
-        return logits, present
+        The returned array is a view that the next decode overwrites.
+        """
+        n = len(ids)
+        self._ids[:n, 0] = ids
+        self._pos[:n, 0] = positions
+        self._seqlens[:n] = positions
+        self._total[()] = int(positions.max()) + 1
+        self.session.run_with_iobinding(self._decode_binding(n))
+        return self._logits[:n, 0]
+
+    def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""
+        s = len(ids)
+        logits = self._prefill(slot, np.array([ids], dtype=np.int64), np.arange(start, start + s)[None],
+                               np.array([start + s - 1], dtype=np.int32), start + s)
+        return logits[0]
+
+    def prefill_batch(self, first_slot: int, prompts: list[list[int]]) -> np.ndarray:
+        """Whole prompts into consecutive slots. Returns each prompt's last-position logits [k, vocab]."""
+        k, s = len(prompts), max(len(p) for p in prompts)
+        ids = np.zeros((k, s), dtype=np.int64)  # right-padded; padding is written past each row's end
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts])
+        logits = self._prefill(first_slot, ids, np.tile(np.arange(s), (k, 1)), (lengths - 1).astype(np.int32), s)
+        return logits[np.arange(k), lengths - 1]
+
+    def _prefill(self, first: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int) -> np.ndarray:
+        binding = self.session.io_binding()
+        for name, array in (("input_ids", ids), ("position_ids", pos.astype(np.int64)), ("seqlens_k", seqlens),
+                            ("total_sequence_length", np.array(total, dtype=np.int32))):
+            binding.bind_cpu_input(name, array)
+        binding.bind_output("logits", "cpu")
+        self._bind_cache(binding, first, len(ids))
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

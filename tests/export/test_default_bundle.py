@@ -10,7 +10,7 @@ from export.bundle_writer import sha256_file
 from export.verify import verify
 from model.checkpoint import load_model_dir
 from service.bundle import read_manifest
-from service.runner import OnnxRunner
+from service.concat_runner import OnnxRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "shakespeare"

@@ -17,7 +17,7 @@ from export.variants import node_count
 from export.verify import verify
 from model.checkpoint import load_model_dir
 from service.bundle import decoder_io_names, read_manifest
-from service.runner import OnnxRunner
+from service.concat_runner import OnnxRunner
 
 
 def test_manifest_describes_the_model_and_the_graphs(tiny_bundle, tiny_model_dir):

@@ -13,7 +13,7 @@ import pytest
 
 from export.bundle_writer import GRAPH_FILES
 from service.bundle import BundleError
-from service.runner import OnnxRunner
+from service.concat_runner import OnnxRunner
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 def test_serving_path_never_imports_torch(tiny_bundle):
     code = f"""
 import sys, numpy as np
-from service.runner import OnnxRunner
+from service.concat_runner import OnnxRunner
 r = OnnxRunner({str(tiny_bundle)!r}, provider="cpu")
 logits, cache = r.step(np.array([[1, 2, 3]]), np.array([[0, 1, 2]]), np.ones((1, 3), dtype=np.int64), r.empty_cache(1))
 assert logits.shape == (1, 3, r.manifest.model.vocab_size), logits.shape
@@ -45,7 +45,7 @@ def test_prefill_then_decode_equals_one_prefill(tiny_bundle):
 
 
 def test_cpu_is_chosen_and_reported(tiny_bundle, caplog):
-    caplog.set_level("INFO", logger="service.runner")
+    caplog.set_level("INFO", logger="service.concat_runner")
     r = OnnxRunner(tiny_bundle, provider="auto")
     assert r.session.get_providers()[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
     assert "on CPUExecutionProvider" in caplog.text or "on CUDAExecutionProvider" in caplog.text

@@ -1,0 +1,22 @@
+"""`attnserve bench <what>`: the benchmarks, one module each (see docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "engine": ("bench.engine", "the engine in-process: throughput, step time vs context, compute ceiling"),
+    "onnx-variants": ("bench.onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        width = max(map(len, BENCHES))
+        print("usage: attnserve bench <what> [options]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHES.items():
+            print(f"  {name:<{width}}  {help_}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])

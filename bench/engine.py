@@ -1,0 +1,191 @@
+"""`attnserve bench engine`: the engine in-process, with no gRPC in the way.
+
+    attnserve bench engine [--bundle models/shakespeare-onnx] [--concurrency 1,8,32,64]
+
+Three measurements in one run:
+1. throughput: `c` requests of 16 random prompt tokens submitted at once, 128 greedy new tokens
+   each (ignore_eos), for each concurrency c; generated tokens / wall time, median of --repeats;
+2. decode step time at batch 32 against context length (64, 256, 512, 1024), on a graph of the
+   same shape with random weights and a 1024-token context (the default model's is shorter);
+3. the fraction of the matmul ceiling: tokens/s x 2 x matmul parameters against the GFLOP/s of an
+   fp32 1024x1024 matmul measured in the same run.
+
+Writes docs/bench/engine.json and the engine section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.machine import RESULTS_DIR, describe, machine_line, write_section
+from service.config import EngineConfig
+from service.engine import Engine
+from service.request import GenerationRequest, SamplingParams, StoppingCriteria
+
+DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 30) -> float:
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def matmul_params(manifest) -> int:
+    """Weights that take part in a matmul per token: the blocks and the output head."""
+    m = manifest.model
+    d_ff = 4 * m.d_model  # the exported models use the GPT-2 width
+    per_layer = 3 * m.d_model * m.d_model + m.d_model * m.d_model + 2 * m.d_model * d_ff
+    return m.n_layer * per_layer + m.vocab_size * m.d_model
+
+
+def throughput(engine: Engine, concurrency: int, prompt_tokens: int, new_tokens: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.vocab_size
+    start = time.perf_counter()
+    for i in range(concurrency):
+        prompt = rng.integers(1, vocab, prompt_tokens).tolist()
+        req = GenerationRequest(f"b{seed}-{i}", prompt, SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+        engine.add(engine.new_request(req))
+    generated = 0
+    while engine.has_work:
+        generated += sum(1 for _, item in engine.step() if item is not None)
+    elapsed = time.perf_counter() - start
+    assert generated == concurrency * new_tokens, (generated, concurrency * new_tokens)
+    return generated / elapsed
+
+
+def long_context_bundle(bundle: Path, n_ctx: int, out: Path) -> Path:
+    """A random-weight model of the bundle's shape with a longer context (needs torch)."""
+    from export.static_cache_graph import export_static_cache_decoder
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from service.bundle import read_manifest, write_manifest
+    import shutil
+
+    manifest = read_manifest(bundle)
+    m = manifest.model
+    model = GPT(GPTConfig(vocab_size=m.vocab_size, n_ctx=n_ctx, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model))
+    out.mkdir(parents=True, exist_ok=True)
+    export_static_cache_decoder(model, out / manifest.graphs["static"].file)
+    shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
+    manifest.model.n_ctx = n_ctx
+    manifest.graphs = {"static": manifest.graphs["static"]}
+    manifest.default_graph = "static"
+    write_manifest(out, manifest)
+    return out
+
+
+def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, threads: int) -> dict[int, float]:
+    from service.kv_cache import KVCache
+    from service.runner import ModelRunner
+
+    runner = ModelRunner(bundle, provider="cpu", intra_op_threads=threads)
+    kv = KVCache(runner.cache_shape, batch)
+    runner.attach(kv)
+    rng = np.random.default_rng(0)
+    vocab = runner.vocab_size
+    for i in range(batch):
+        kv.allocate(i)
+    result = {}
+    for ctx in contexts:
+        for first in range(0, batch, 4):  # fill every slot to `ctx` positions
+            runner.prefill_batch(first, [rng.integers(0, vocab, ctx - 8).tolist() for _ in range(min(4, batch - first))])
+        times = []
+        for step in range(steps):
+            ids = rng.integers(0, vocab, batch)
+            pos = np.full(batch, ctx - 8 + step % 8)
+            t = time.perf_counter()
+            runner.decode(ids, pos)
+            times.append(time.perf_counter() - t)
+        result[ctx] = statistics.median(times[5:]) * 1e3
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
+    p.add_argument("--graph", default=None, help="graph variant (default: the bundle's)")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--contexts", default="64,256,512,1024")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = one per core)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    machine = describe()
+    ceiling = matmul_gflops()
+    config = EngineConfig(bundle=args.bundle, graph=args.graph, max_running=max(levels), intra_op_threads=args.threads,
+                          max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
+    engine = Engine(config)
+    flops_per_token = 2 * matmul_params(engine.runner.manifest)
+    throughput(engine, 2, args.prompt_tokens, 8, seed=99)  # warm-up
+    rows = []
+    for c in levels:
+        runs = [throughput(engine, c, args.prompt_tokens, args.new_tokens, seed=r) for r in range(args.repeats)]
+        tps = statistics.median(runs)
+        rows.append({"concurrency": c, "tokens_per_s": tps, "runs": runs,
+                     "ceiling_fraction": tps * flops_per_token / (ceiling * 1e9)})
+        print(f"concurrency {c:>3}: {tps:8.0f} tok/s  ({rows[-1]['ceiling_fraction']:.1%} of the matmul ceiling)")
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        long_bundle = long_context_bundle(args.bundle, max(contexts), Path(tmp) / "long")
+        steps = decode_step_ms(long_bundle, contexts, batch=32, steps=40, threads=args.threads)
+    for ctx, ms in steps.items():
+        print(f"batch 32, context {ctx:>4}: {ms:6.2f} ms/step, {32 / ms * 1e3:7.0f} tok/s")
+
+    by_c = {r["concurrency"]: r["tokens_per_s"] for r in rows}
+    result = {"machine": machine, "matmul_gflops": ceiling, "flops_per_token": flops_per_token,
+              "graph": engine.runner.graph_name, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "throughput": rows, "decode_step_ms_batch32": steps,
+              "ratio_ctx512_vs_64": steps[64] / steps[512] if 64 in steps and 512 in steps else None,
+              "ratio_c32_vs_c1": by_c[32] / by_c[1] if 1 in by_c and 32 in by_c else None}
+    md = render(result, argv)
+    print(md)
+    if not args.no_write:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        (RESULTS_DIR / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_section("engine", md)
+    return 0
+
+
+def render(r: dict, argv: list[str] | None) -> str:
+    cmd = "attnserve bench engine" + (" " + " ".join(argv) if argv else "")
+    lines = ["## Engine, in-process", "", f"`{cmd}` on {machine_line(r['machine'])}.", "",
+             f"Graph `{r['graph']}`; {r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy new tokens each "
+             f"(ignore_eos), all submitted at once. Median of the runs. Matmul ceiling: fp32 1024×1024 in numpy, "
+             f"{r['matmul_gflops']:.0f} GFLOP/s; {r['flops_per_token'] / 1e6:.1f} MFLOP per token.", "",
+             "| concurrency | tokens/s | × concurrency 1 | of matmul ceiling |", "|---|---|---|---|"]
+    base = r["throughput"][0]["tokens_per_s"]
+    for row in r["throughput"]:
+        lines.append(f"| {row['concurrency']} | {row['tokens_per_s']:.0f} | {row['tokens_per_s'] / base:.1f}× | "
+                     f"{row['ceiling_fraction']:.0%} |")
+    lines += ["", "Decode step at batch 32 against context length (same shape, random weights, 1024-token context):",
+              "", "| context | ms/step | tokens/s | × context 64 |", "|---|---|---|---|"]
+    s64 = r["decode_step_ms_batch32"].get(64)
+    for ctx, ms in r["decode_step_ms_batch32"].items():
+        rel = f"{s64 / ms:.2f}×" if s64 else "—"
+        lines.append(f"| {ctx} | {ms:.2f} | {32 / ms * 1e3:.0f} | {rel} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The engine on its own thread, behind an asyncio API.
+
+    engine = AsyncEngine(EngineConfig(bundle=...))
+    engine.start()
+    async for event in engine.submit(request):     # TokenEvent, token by token
+        ...
+    engine.abort(request_id); engine.stats(); await engine.shutdown()
+
+`submit` validates in the caller's thread (a bad request raises `InvalidRequest` at once, and a
+full queue raises `Overloaded`), then hands the request to the engine thread. That thread runs
+`Engine.step()` in a loop; onnxruntime releases the GIL while it computes, so the event loop
+stays responsive. Each step's events reach the loop in one `call_soon_threadsafe` callback.
+The engine thread never waits for a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+
+from service.config import EngineConfig
+from service.engine import Engine, EngineStats, Output
+from service.errors import EngineError, EngineStopped, InvalidRequest, ModelError, Overloaded
+from service.request import GenerationRequest, TokenEvent
+from service.sequence import RequestState
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle engine sleeps before re-checking deadlines
+
+
+class RequestStream:
+    """The async iterator returned by `submit`: one request's events, then its end."""
+
+    def __init__(self, engine: AsyncEngine, state: RequestState):
+        self._engine = engine
+        self.state = state
+        self._queue: asyncio.Queue[TokenEvent | EngineError | None] = asyncio.Queue()
+        self._open = state.request.n  # sequences not finished yet
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.state.id
+
+    def _put(self, item: TokenEvent | EngineError | None) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if isinstance(item, EngineError):
+            self._close()
+            raise item
+        if item is None:
+            self._close()
+            raise StopAsyncIteration
+        if item.finish_reason is not None:
+            self._open -= 1
+            if self._open == 0:
+                self._close()
+        return item
+
+    def _close(self) -> None:
+        self.finished = True
+        self._engine._streams.pop(self.request_id, None)
+
+    def cancel(self) -> None:
+        """The consumer is gone: abort the request and free its slots."""
+        if not self.finished:
+            self._close()
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: Engine | None = None):
+        self.engine = engine or Engine(config)
+        self.config = config
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted but not yet taken in by the engine thread
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = self.engine.stats()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="attnserve-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request (call from the event loop); iterate the result for its events."""
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        self._loop = self._loop or asyncio.get_running_loop()
+        state = self.engine.new_request(request)  # validates; raises InvalidRequest
+        if request.request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+        with self._lock:
+            waiting = len(self.engine.scheduler.waiting) + self._queued
+            if waiting >= self.config.max_waiting and self._no_room_now():
+                raise Overloaded(f"{waiting} requests are waiting (max_waiting={self.config.max_waiting}); retry later")
+            self._queued += 1
+        stream = RequestStream(self, state)
+        self._streams[state.id] = stream
+        self._inbox.append(("add", state))
+        self._wake.set()
+        return stream
+
+    def _no_room_now(self) -> bool:
+        return self._stats.kv_free_slots == 0 or self._stats.running_sequences >= self.config.max_running
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot (taken by the engine thread after each step)."""
+        return self._stats
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._wake.clear()
+            out: list[Output] = []
+            while self._inbox:
+                kind, arg = self._inbox.popleft()
+                if kind == "add":
+                    with self._lock:
+                        self._queued -= 1
+                    try:
+                        engine.add(arg)
+                    except EngineError as e:
+                        out.append((arg, e))
+                else:
+                    out += engine.abort(arg)
+            if self._stopping and not engine.has_work:
+                self._stats = engine.stats()
+                self._deliver(out)
+                return
+            try:
+                out += engine.expire()
+                if engine.has_work:
+                    out += engine.step()
+            except Exception as e:  # a bug, not a model fault: fail what is in flight, keep the thread alive
+                log.exception("engine step failed")
+                for state in list(engine.requests.values()):
+                    out += engine.end(state, ModelError(f"engine failure: {type(e).__name__}: {e}"))
+            self._stats = engine.stats()
+            self._deliver(out)
+            if not engine.has_work and not self._inbox:
+                self._wake.wait(IDLE_WAIT_S)
+
+    def _deliver(self, out: list[Output]) -> None:
+        if out and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, out)
+
+    def _dispatch(self, out: list[Output]) -> None:
+        for state, item in out:
+            stream = self._streams.get(state.id)
+            if stream is not None and stream.state is state:
+                stream._put(item)

@@ -1,0 +1,266 @@
+"""The engine core: schedule -> run the model -> sample -> update and emit, one step at a time.
+
+It deals in token ids only (plus each sequence's text stream, so stop strings end a sequence in
+the step that completes them). One thread owns it: `service.async_engine` runs `step()` in a
+loop and feeds it requests; tests may drive it directly.
+
+    engine = Engine(EngineConfig(bundle=...))
+    engine.add(engine.new_request(GenerationRequest("r1", prompt_ids)))
+    while engine.has_work:
+        for state, item in engine.step():   # item: a TokenEvent, or an EngineError for that request
+            ...
+
+A sequence's KV slot is released in the step in which it finishes, is aborted or expires. An
+exception from the model fails only the requests in that step (`ModelError`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.config import EngineConfig
+from service.detokenizer import TextStream
+from service.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError, Overloaded
+from service.kv_cache import KVCache, plan_slots
+from service.request import EngineLimits, FinishReason, GenerationRequest, TokenEvent
+from service.runner import ModelRunner
+from service.sampler import SamplingState, sample
+from service.scheduler import PrefillWork, Scheduler, SchedulerOutput
+from service.sequence import RequestState, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+Output = tuple[RequestState, "TokenEvent | EngineError"]
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class EngineStats:
+    running_requests: int  # requests with at least one sequence holding a slot
+    running_sequences: int  # sequences holding or promised a KV slot
+    waiting_requests: int  # requests queued for admission
+    kv_slots: int  # sequences the KV cache holds
+    kv_free_slots: int
+    kv_free_tokens: int  # free slots × positions per slot
+    kv_bytes: int  # memory of the KV cache, allocated once
+    tokens_per_s: float  # generated tokens per second over the last 10 s
+    generated_tokens: int  # since start
+    steps: int  # model steps since start
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config.bundle, config.graph, config.provider, config.intra_op_threads)
+        m = self.runner.manifest.model
+        self.model = m
+        self.tokenizer = self.runner.tokenizer
+        n_slots = plan_slots(self.runner.cache_shape, config.max_running, config.kv_cache_bytes)
+        self.kv = KVCache(self.runner.cache_shape, n_slots)
+        self.runner.attach(self.kv)
+        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens)
+        self.limits = EngineLimits(max_new_tokens=min(config.max_new_tokens or m.n_ctx - 1, m.n_ctx - 1),
+                                   max_prompt_tokens=min(config.max_prompt_tokens or m.n_ctx - 1, m.n_ctx - 1))
+        self.requests: dict[str, RequestState] = {}
+        self._rate: deque[tuple[float, int]] = deque()
+        self.generated_tokens = 0
+        self.steps = 0
+        log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once", n_slots,
+                 self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Check a request against the model and limits (pure: safe from any thread)."""
+        request.validate(self.model.vocab_size, self.model.n_ctx, self.limits)
+        if request.n > self.scheduler.max_running:
+            raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.scheduler.max_running} at once")
+
+    def new_request(self, request: GenerationRequest) -> RequestState:
+        """Validate and wrap a request; `add` queues it."""
+        self.validate(request)
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        state = RequestState(request, seed)
+        first = None
+        for i in range(request.n):
+            sampling = (SamplingState.create(request.sampling, request.prompt_token_ids, self.model.vocab_size, seed, i)
+                        if first is None else first.sampling.fork(i, seed))
+            seq = Sequence(state, i, sampling, TextStream(self.tokenizer, request.stopping.stop))
+            self._set_suppression(seq)
+            state.seqs.append(seq)
+            first = first or seq
+        return state
+
+    def add(self, state: RequestState) -> None:
+        if state.id in self.requests:
+            raise InvalidRequest("request_id", f"{state.id!r} is already running")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting="
+                             f"{self.config.max_waiting}); retry later")
+        self.requests[state.id] = state
+        self.scheduler.add(state)
+
+    def abort(self, request_id: str) -> list[Output]:
+        state = self.requests.get(request_id)
+        return self.end(state, Cancelled(f"request {request_id!r} was cancelled")) if state else []
+
+    def expire(self, now: float | None = None) -> list[Output]:
+        """End every request whose deadline has passed, waiting or running."""
+        now = time.monotonic() if now is None else now
+        out: list[Output] = []
+        for state in [s for s in self.requests.values() if s.request.deadline is not None and s.request.deadline <= now]:
+            where = "in the queue" if state.scheduled_at is None else "while running"
+            out += self.end(state, DeadlineExceeded(f"request {state.id!r} passed its deadline {where}"))
+        return out
+
+    def end(self, state: RequestState, error: EngineError | None) -> list[Output]:
+        self.scheduler.drop(state)
+        state.done = True
+        self.requests.pop(state.id, None)
+        return [(state, error)] if error is not None else []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Output]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        try:
+            seqs, logits = self._execute(sched)
+        except Exception as e:  # the model failed: fail this step's requests, keep serving
+            log.exception("model step failed")
+            hit = {s.request.id: s.request for s in sched.decode}
+            if sched.prefill:
+                hit.update((s.request.id, s.request) for s in sched.prefill.seqs)
+            out: list[Output] = []
+            for state in hit.values():
+                out += self.end(state, ModelError(f"model step failed: {type(e).__name__}: {e}"))
+            return out
+        self.steps += 1
+        if not seqs:
+            return []
+        top_n = max(s.request.request.top_logprobs for s in seqs)
+        result = sample(logits, [s.sampling for s in seqs], top_n)
+        out = []
+        for i, seq in enumerate(seqs):
+            top = None
+            if seq.request.request.top_logprobs:
+                k = seq.request.request.top_logprobs
+                top = list(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+            out += self._append(seq, int(result.tokens[i]), float(result.logprobs[i]), top)
+        self._count(len(seqs))
+        return out
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], np.ndarray]:
+        """Run decode (slots [0, n)) then prefill; returns the sequences to sample and their logits."""
+        seqs: list[Sequence] = []
+        rows: list[np.ndarray] = []
+        if sched.decode:
+            n = len(sched.decode)
+            ids = np.zeros(n, dtype=np.int64)
+            pos = np.empty(n, dtype=np.int64)
+            live = []
+            for i, s in enumerate(sched.decode):
+                if s.status is Status.DECODING:
+                    ids[i], pos[i] = s.output_ids[-1], s.num_tokens - 1
+                    live.append(i)
+                else:  # a prompt part-way through chunked prefill: a throwaway row, overwritten by its next chunk
+                    pos[i] = s.num_prefilled
+            logits = self.runner.decode(ids, pos)
+            self.kv.lengths[:n] = pos + 1
+            seqs += [sched.decode[i] for i in live]
+            rows.append(logits[live])
+        if sched.prefill is not None:
+            done, last = self._prefill(sched.prefill)
+            for seq, row in zip(done, last):
+                family = [seq] + [sib for sib in seq.request.seqs if sib is not seq]
+                for sib in family[1:]:
+                    self.scheduler.fork(seq, sib)
+                seqs += family
+                rows.append(np.repeat(row[None], len(family), axis=0))
+        return seqs, (np.concatenate(rows) if rows else np.empty((0, self.model.vocab_size), np.float32))
+
+    def _prefill(self, work: PrefillWork) -> tuple[list[Sequence], list[np.ndarray]]:
+        now = time.monotonic()
+        for seq in work.seqs:
+            seq.request.scheduled_at = seq.request.scheduled_at or now
+        if work.start > 0:
+            last = self.runner.prefill(work.first_slot, work.chunks[0], work.start)[-1:]
+        else:
+            last = self.runner.prefill_batch(work.first_slot, work.chunks)
+        done = self.scheduler.prefill_done(work)
+        for seq in work.seqs:
+            self.kv.lengths[seq.slot] = seq.num_prefilled
+        return done, [row for seq, row in zip(work.seqs, last) if seq in done]
+
+    # ---- update and emit -----------------------------------------------------------------------
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: list | None) -> list[Output]:
+        state, req = seq.request, seq.request.request
+        st = req.stopping
+        seq.output_ids.append(token)
+        seq.sampling.accept(token)
+        state.first_token_at = state.first_token_at or time.monotonic()
+        n_out = len(seq.output_ids)
+        active = n_out >= st.min_new_tokens  # stop conditions count only from min_new_tokens on
+        reason = None
+        if active and token == self.model.eos_token_id and not st.ignore_eos:
+            reason = FinishReason.EOS
+        elif active and token in st.stop_token_ids:
+            reason = FinishReason.STOP
+        text, by_string = "", False
+        if reason is None:
+            text, by_string = seq.text.push(token, check_stop=active)
+            if by_string:
+                reason = FinishReason.STOP
+            elif n_out >= st.max_new_tokens:
+                reason = FinishReason.LENGTH
+        if reason is not None and not by_string:  # flush held-back text (a stop string may still match)
+            tail, by_string = seq.text.finish(check_stop=active)
+            text += tail
+            reason = FinishReason.STOP if by_string else reason
+        self._set_suppression(seq)
+        event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason)
+        out: list[Output] = [(state, event)]
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.free(seq)
+            if all(s.status is Status.FINISHED for s in state.seqs):
+                out += self.end(state, None)
+        return out
+
+    def _set_suppression(self, seq: Sequence) -> None:
+        st = seq.request.request.stopping
+        if len(seq.output_ids) < st.min_new_tokens:
+            seq.sampling.suppress = list(st.stop_token_ids) + ([] if st.ignore_eos else [self.model.eos_token_id])
+        else:
+            seq.sampling.suppress = []
+
+    def _count(self, tokens: int) -> None:
+        now = time.monotonic()
+        self.generated_tokens += tokens
+        self._rate.append((now, tokens))
+        while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+            self._rate.popleft()
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._rate) if t >= now - RATE_WINDOW_S]
+        span = max(now - recent[0][0], 1e-3) if recent else 0.0
+        rate = sum(n for _, n in recent) / span if recent else 0.0
+        running = {o.request.id for o in self.kv.owners[:self.kv.used] if o is not None}
+        return EngineStats(running_requests=len(running), running_sequences=self.scheduler.num_running,
+                           waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
+                           kv_free_slots=self.kv.free_slots, kv_free_tokens=self.kv.free_tokens,
+                           kv_bytes=self.kv.nbytes, tokens_per_s=rate, generated_tokens=self.generated_tokens,
+                           steps=self.steps)

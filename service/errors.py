@@ -1,0 +1,35 @@
+"""Domain errors. The gRPC layer maps each to one status code, in one place."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine reports to a caller."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """A request the engine will not run; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class Overloaded(EngineError):
+    """The waiting queue is full; try again later."""
+
+
+class DeadlineExceeded(EngineError):
+    """The request's deadline passed, in the queue or while running."""
+
+
+class Cancelled(EngineError):
+    """The request was aborted."""
+
+
+class ModelError(EngineError):
+    """The model step that carried this request failed; other requests are unaffected."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down and takes no new work."""
