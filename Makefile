@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
-PROMPT ?= Rom.
+PROMPT ?= ROMEO:
 
 .PHONY: help install test lint generate train bundle bench-onnx clean
 
@@ -31,7 +31,7 @@ lint: install
 	$(BIN)/ruff check .
 
 generate: install
-	$(BIN)/attnserve generate-local "$(PROMPT)" --model $(MODEL)
+	$(BIN)/attnserve generate "$(PROMPT)" --bundle $(BUNDLE) --max-new-tokens 120 --temperature 0.8 --top-p 0.95
 
 train: install
 	$(BIN)/attnserve train --out $(MODEL)

@@ -11,6 +11,7 @@ import sys
 
 COMMANDS = {
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
+    "generate": ("service.generate", "generate text from an ONNX bundle through the serving engine (no torch)"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),

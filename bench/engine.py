@@ -71,11 +71,12 @@ def throughput(engine: Engine, concurrency: int, prompt_tokens: int, new_tokens:
 
 def long_context_bundle(bundle: Path, n_ctx: int, out: Path) -> Path:
     """A random-weight model of the bundle's shape with a longer context (needs torch)."""
+    import shutil
+
     from export.static_cache_graph import export_static_cache_decoder
     from model.config import GPTConfig
     from model.gpt import GPT
     from service.bundle import read_manifest, write_manifest
-    import shutil
 
     manifest = read_manifest(bundle)
     m = manifest.model
@@ -104,7 +105,8 @@ def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, th
     result = {}
     for ctx in contexts:
         for first in range(0, batch, 4):  # fill every slot to `ctx` positions
-            runner.prefill_batch(first, [rng.integers(0, vocab, ctx - 8).tolist() for _ in range(min(4, batch - first))])
+            prompts = [rng.integers(0, vocab, ctx - 8).tolist() for _ in range(min(4, batch - first))]
+            runner.prefill_batch(first, prompts)
         times = []
         for step in range(steps):
             ids = rng.integers(0, vocab, batch)
@@ -119,7 +121,7 @@ def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, th
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
-    p.add_argument("--graph", default=None, help="graph variant (default: the bundle's)")
+    p.add_argument("--graphs", default="static,static-int8", help="serving graphs to measure, comma-separated")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -132,29 +134,32 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = describe()
     ceiling = matmul_gflops()
-    config = EngineConfig(bundle=args.bundle, graph=args.graph, max_running=max(levels), intra_op_threads=args.threads,
-                          max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
-    engine = Engine(config)
-    flops_per_token = 2 * matmul_params(engine.runner.manifest)
-    throughput(engine, 2, args.prompt_tokens, 8, seed=99)  # warm-up
+    graphs = args.graphs.split(",")
     rows = []
-    for c in levels:
-        runs = [throughput(engine, c, args.prompt_tokens, args.new_tokens, seed=r) for r in range(args.repeats)]
-        tps = statistics.median(runs)
-        rows.append({"concurrency": c, "tokens_per_s": tps, "runs": runs,
-                     "ceiling_fraction": tps * flops_per_token / (ceiling * 1e9)})
-        print(f"concurrency {c:>3}: {tps:8.0f} tok/s  ({rows[-1]['ceiling_fraction']:.1%} of the matmul ceiling)")
+    for graph in graphs:
+        config = EngineConfig(bundle=args.bundle, graph=graph, max_running=max(levels), intra_op_threads=args.threads,
+                              max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
+        engine = Engine(config)
+        flops_per_token = 2 * matmul_params(engine.runner.manifest)
+        throughput(engine, 2, args.prompt_tokens, 8, seed=99)  # warm-up
+        for c in levels:
+            runs = [throughput(engine, c, args.prompt_tokens, args.new_tokens, seed=r) for r in range(args.repeats)]
+            tps = statistics.median(runs)
+            rows.append({"graph": graph, "concurrency": c, "tokens_per_s": tps, "runs": runs,
+                         "ceiling_fraction": tps * flops_per_token / (ceiling * 1e9)})
+            print(f"{graph} concurrency {c:>3}: {tps:8.0f} tok/s  ({rows[-1]['ceiling_fraction']:.1%} of the ceiling)")
+        del engine
 
     contexts = [int(c) for c in args.contexts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         long_bundle = long_context_bundle(args.bundle, max(contexts), Path(tmp) / "long")
-        steps = decode_step_ms(long_bundle, contexts, batch=32, steps=40, threads=args.threads)
+        steps = decode_step_ms(long_bundle, contexts, batch=32, steps=40, threads=args.threads)  # fp32 graph
     for ctx, ms in steps.items():
         print(f"batch 32, context {ctx:>4}: {ms:6.2f} ms/step, {32 / ms * 1e3:7.0f} tok/s")
 
-    by_c = {r["concurrency"]: r["tokens_per_s"] for r in rows}
-    result = {"machine": machine, "matmul_gflops": ceiling, "flops_per_token": flops_per_token,
-              "graph": engine.runner.graph_name, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+    by_c = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["graph"] == graphs[0]}
+    result = {"machine": machine, "matmul_gflops": ceiling, "flops_per_token": flops_per_token, "graphs": graphs,
+              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "throughput": rows, "decode_step_ms_batch32": steps,
               "ratio_ctx512_vs_64": steps[64] / steps[512] if 64 in steps and 512 in steps else None,
               "ratio_c32_vs_c1": by_c[32] / by_c[1] if 1 in by_c and 32 in by_c else None}
@@ -170,14 +175,17 @@ def main(argv: list[str] | None = None) -> int:
 def render(r: dict, argv: list[str] | None) -> str:
     cmd = "attnserve bench engine" + (" " + " ".join(argv) if argv else "")
     lines = ["## Engine, in-process", "", f"`{cmd}` on {machine_line(r['machine'])}.", "",
-             f"Graph `{r['graph']}`; {r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy new tokens each "
-             f"(ignore_eos), all submitted at once. Median of the runs. Matmul ceiling: fp32 1024×1024 in numpy, "
-             f"{r['matmul_gflops']:.0f} GFLOP/s; {r['flops_per_token'] / 1e6:.1f} MFLOP per token.", "",
-             "| concurrency | tokens/s | × concurrency 1 | of matmul ceiling |", "|---|---|---|---|"]
-    base = r["throughput"][0]["tokens_per_s"]
-    for row in r["throughput"]:
-        lines.append(f"| {row['concurrency']} | {row['tokens_per_s']:.0f} | {row['tokens_per_s'] / base:.1f}× | "
-                     f"{row['ceiling_fraction']:.0%} |")
+             f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy new tokens each (ignore_eos), all "
+             f"submitted at once; median of the runs. Matmul ceiling: fp32 1024×1024 in numpy, "
+             f"{r['matmul_gflops']:.0f} GFLOP/s; {r['flops_per_token'] / 1e6:.1f} MFLOP per token "
+             "(2 × the weights that take part in a matmul).", "",
+             "| graph | concurrency | tokens/s | × concurrency 1 | of matmul ceiling |", "|---|---|---|---|---|"]
+    for graph in r["graphs"]:
+        mine = [row for row in r["throughput"] if row["graph"] == graph]
+        base = mine[0]["tokens_per_s"]
+        for row in mine:
+            lines.append(f"| `{graph}` | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
+                         f"{row['tokens_per_s'] / base:.1f}× | {row['ceiling_fraction']:.0%} |")
     lines += ["", "Decode step at batch 32 against context length (same shape, random weights, 1024-token context):",
               "", "| context | ms/step | tokens/s | × context 64 |", "|---|---|---|---|"]
     s64 = r["decode_step_ms_batch32"].get(64)

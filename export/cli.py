@@ -54,7 +54,8 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
                   default: str = "static") -> list[str]:
     """Write the bundle; returns the graph variants written."""
     if not keep_fp32 and not (optimized or int8 or fp16):
-        raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: a bundle keeps a standard graph")
+        raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
+                         "a bundle keeps a standard graph")
     model, tokenizer = load_model_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     static = export_static_cache_decoder(model, out / GRAPH_FILES["static"])

@@ -101,7 +101,8 @@ def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
                       num_heads=c.n_head, kv_num_heads=c.n_head, scale=1.0 / math.sqrt(c.d_head), do_rotary=0)
         o = b.node("MatMul", [attn, b.param(f"{p}.attn.out_proj.weight", transpose=True)], [f"attn_out_{i}"])
         # x += o + b_O; h = LN_2(x), in one pass
-        h, x = b.skip_layer_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", c.layer_norm_eps, f"h2_{i}", f"x_{i}_attn")
+        h, x = b.skip_layer_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", c.layer_norm_eps, f"h2_{i}",
+                                 f"x_{i}_attn")
         f = b.node("MatMul", [h, b.param(f"{p}.ffn.fc_in.weight", transpose=True)], [f"ff_{i}_mm"])
         bias = b.param(f"{p}.ffn.fc_in.bias")
         if c.activation == "gelu_tanh":
@@ -115,7 +116,7 @@ def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
         h, x = b.skip_layer_norm(f, x, f"{p}.ffn.fc_out.bias", ln, c.layer_norm_eps, f"h_{i + 1}", f"x_{i + 1}")
     b.node("MatMul", [h, b.const("lm_head.weight_t", weights["tok_emb.weight"].T)], ["logits"])
 
-    cache = ["batch", "n_head", "max_seq", "d_head"]
+    cache = ["batch", c.n_head, "max_seq", c.d_head]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),

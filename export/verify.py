@@ -173,7 +173,7 @@ def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e
     for _ in range(4):
         new = rng.integers(0, vocab, 4)
         pos = np.array([len(s) for s in seqs])
-        for s, t in zip(seqs, new):
+        for s, t in zip(seqs, new, strict=True):
             s.append(int(t))
         got = runner.decode(new, pos)
         kv.lengths[:4] = pos + 1
@@ -182,7 +182,7 @@ def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e
     seqs = [seqs[3], seqs[1], seqs[2]]
     new = rng.integers(0, vocab, 3)
     pos = np.array([len(s) for s in seqs])
-    for s, t in zip(seqs, new):
+    for s, t in zip(seqs, new, strict=True):
         s.append(int(t))
     got = runner.decode(new, pos)
     worst = max(worst, max(max_diff(got[i], want(s)) for i, s in enumerate(seqs)))

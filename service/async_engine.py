@@ -19,11 +19,10 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
 
 from service.config import EngineConfig
 from service.engine import Engine, EngineStats, Output
-from service.errors import EngineError, EngineStopped, InvalidRequest, ModelError, Overloaded
+from service.errors import EngineError, EngineStopped, InvalidRequest, ModelError
 from service.request import GenerationRequest, TokenEvent
 from service.sequence import RequestState
 
@@ -90,7 +89,8 @@ class AsyncEngine:
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._queued = 0  # submitted but not yet taken in by the engine thread
+        self._queued = 0  # requests submitted but not yet taken in by the engine thread
+        self._queued_seqs = 0  # their sequences
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -111,18 +111,14 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         with self._lock:
-            waiting = len(self.engine.scheduler.waiting) + self._queued
-            if waiting >= self.config.max_waiting and self._no_room_now():
-                raise Overloaded(f"{waiting} requests are waiting (max_waiting={self.config.max_waiting}); retry later")
+            self.engine.check_capacity(request.n, self._queued, self._queued_seqs)  # raises Overloaded
             self._queued += 1
+            self._queued_seqs += request.n
         stream = RequestStream(self, state)
         self._streams[state.id] = stream
         self._inbox.append(("add", state))
         self._wake.set()
         return stream
-
-    def _no_room_now(self) -> bool:
-        return self._stats.kv_free_slots == 0 or self._stats.running_sequences >= self.config.max_running
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
@@ -151,6 +147,7 @@ class AsyncEngine:
                 if kind == "add":
                     with self._lock:
                         self._queued -= 1
+                        self._queued_seqs -= arg.request.n
                     try:
                         engine.add(arg)
                     except EngineError as e:

@@ -80,7 +80,8 @@ class Engine:
         """Check a request against the model and limits (pure: safe from any thread)."""
         request.validate(self.model.vocab_size, self.model.n_ctx, self.limits)
         if request.n > self.scheduler.max_running:
-            raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.scheduler.max_running} at once")
+            raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most "
+                                      f"{self.scheduler.max_running} at once")
 
     def new_request(self, request: GenerationRequest) -> RequestState:
         """Validate and wrap a request; `add` queues it."""
@@ -100,11 +101,23 @@ class Engine:
     def add(self, state: RequestState) -> None:
         if state.id in self.requests:
             raise InvalidRequest("request_id", f"{state.id!r} is already running")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting="
-                             f"{self.config.max_waiting}); retry later")
+        self.check_capacity(state.request.n)
         self.requests[state.id] = state
         self.scheduler.add(state)
+
+    def check_capacity(self, n: int, in_flight: int = 0, in_flight_seqs: int = 0) -> None:
+        """Raise `Overloaded` unless a request of `n` sequences fits: either the free KV slots take it
+        (with everything queued before it) at the next step, or the queue has room.
+
+        `in_flight` / `in_flight_seqs` count requests (and their sequences) handed over by another
+        thread but not yet queued."""
+        waiting = len(self.scheduler.waiting) + in_flight
+        queued_n = sum(s.request.n for s in list(self.scheduler.waiting)) + in_flight_seqs
+        fits_now = self.kv.free_slots - queued_n >= n and self.scheduler.num_running + queued_n + n <= \
+            self.scheduler.max_running
+        if waiting >= self.config.max_waiting and not fits_now:
+            raise Overloaded(f"{waiting} requests are waiting (max_waiting={self.config.max_waiting}) and no KV "
+                             f"slot is free for {n} more sequence(s); retry later")
 
     def abort(self, request_id: str) -> list[Output]:
         state = self.requests.get(request_id)
@@ -114,7 +127,8 @@ class Engine:
         """End every request whose deadline has passed, waiting or running."""
         now = time.monotonic() if now is None else now
         out: list[Output] = []
-        for state in [s for s in self.requests.values() if s.request.deadline is not None and s.request.deadline <= now]:
+        late = [s for s in self.requests.values() if s.request.deadline is not None and s.request.deadline <= now]
+        for state in late:
             where = "in the queue" if state.scheduled_at is None else "while running"
             out += self.end(state, DeadlineExceeded(f"request {state.id!r} passed its deadline {where}"))
         return out
@@ -156,7 +170,8 @@ class Engine:
             top = None
             if seq.request.request.top_logprobs:
                 k = seq.request.request.top_logprobs
-                top = list(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+                ids, lps = result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()
+                top = list(zip(ids, lps, strict=True))
             out += self._append(seq, int(result.tokens[i]), float(result.logprobs[i]), top)
         self._count(len(seqs))
         return out
@@ -167,27 +182,28 @@ class Engine:
         rows: list[np.ndarray] = []
         if sched.decode:
             n = len(sched.decode)
-            ids = np.zeros(n, dtype=np.int64)
-            pos = np.empty(n, dtype=np.int64)
-            live = []
-            for i, s in enumerate(sched.decode):
-                if s.status is Status.DECODING:
-                    ids[i], pos[i] = s.output_ids[-1], s.num_tokens - 1
-                    live.append(i)
-                else:  # a prompt part-way through chunked prefill: a throwaway row, overwritten by its next chunk
-                    pos[i] = s.num_prefilled
-            logits = self.runner.decode(ids, pos)
-            self.kv.lengths[:n] = pos + 1
-            seqs += [sched.decode[i] for i in live]
-            rows.append(logits[live])
+            # Decoding rows write their pending token at their length; a prompt part-way through
+            # chunked prefill writes a throwaway token where its next chunk starts (and overwrites it).
+            pos = self.kv.lengths[:n].copy()
+            logits = self.runner.decode(self.kv.pending[:n], pos)
+            self.kv.lengths[:n] += 1
+            live = [i for i, s in enumerate(sched.decode) if s.status is Status.DECODING]
+            if len(live) == n:
+                seqs += sched.decode
+                rows.append(logits)
+            else:
+                seqs += [sched.decode[i] for i in live]
+                rows.append(logits[live])
         if sched.prefill is not None:
             done, last = self._prefill(sched.prefill)
-            for seq, row in zip(done, last):
+            for seq, row in zip(done, last, strict=True):
                 family = [seq] + [sib for sib in seq.request.seqs if sib is not seq]
                 for sib in family[1:]:
                     self.scheduler.fork(seq, sib)
                 seqs += family
                 rows.append(np.repeat(row[None], len(family), axis=0))
+        if len(rows) == 1:
+            return seqs, rows[0]
         return seqs, (np.concatenate(rows) if rows else np.empty((0, self.model.vocab_size), np.float32))
 
     def _prefill(self, work: PrefillWork) -> tuple[list[Sequence], list[np.ndarray]]:
@@ -201,7 +217,7 @@ class Engine:
         done = self.scheduler.prefill_done(work)
         for seq in work.seqs:
             self.kv.lengths[seq.slot] = seq.num_prefilled
-        return done, [row for seq, row in zip(work.seqs, last) if seq in done]
+        return done, [row for seq, row in zip(work.seqs, last, strict=True) if seq in done]
 
     # ---- update and emit -----------------------------------------------------------------------
 
@@ -232,7 +248,9 @@ class Engine:
         self._set_suppression(seq)
         event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason)
         out: list[Output] = [(state, event)]
-        if reason is not None:
+        if reason is None:
+            self.kv.pending[seq.slot] = token
+        else:
             seq.finish_reason = reason
             self.scheduler.free(seq)
             if all(s.status is Status.FINISHED for s in state.seqs):

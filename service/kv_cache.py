@@ -48,7 +48,8 @@ class KVCache:
         dims = (n_slots, shape.n_head, shape.max_seq, shape.d_head)
         # graph order: layer 0 key, layer 0 value, layer 1 key, ...
         self.buffers = [np.zeros(dims, dtype=shape.dtype) for _ in range(2 * shape.n_layer)]
-        self.lengths = np.zeros(n_slots, dtype=np.int64)  # live positions per slot
+        self.lengths = np.zeros(n_slots, dtype=np.int64)  # positions written per slot (= next write position)
+        self.pending = np.zeros(n_slots, dtype=np.int64)  # per slot: the token the next decode writes
         self.owners: list[object | None] = [None] * n_slots  # who holds each slot
         self.used = 0  # slots [0, used) are taken
         self.reserved = 0  # slots promised to admitted sequences but not yet handed out
@@ -81,6 +82,7 @@ class KVCache:
         self.used += 1
         self.owners[slot] = owner
         self.lengths[slot] = 0
+        self.pending[slot] = 0
         return slot
 
     def unreserve(self, n: int) -> None:
@@ -94,10 +96,12 @@ class KVCache:
         moved = None
         if slot != last:
             self.copy(last, slot, int(self.lengths[last]))
+            self.pending[slot] = self.pending[last]
             self.owners[slot] = self.owners[last]
             moved = (self.owners[slot], slot)
         self.owners[last] = None
         self.lengths[last] = 0
+        self.pending[last] = 0
         self.used -= 1
         return moved
 

@@ -117,7 +117,7 @@ class GenerationRequest:
 
 
 def _finite_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
         raise InvalidRequest(name, f"{value!r} is not a finite number")
     if value > high or value < low or (low_open and value == low):
         raise InvalidRequest(name, f"{value} is outside {'(' if low_open else '['}{low}, {high}]")

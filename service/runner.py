@@ -51,7 +51,7 @@ class ModelRunner:
         self._decode_bindings: dict[int, ort.IOBinding] = {}
 
     def _bind_cache(self, binding: ort.IOBinding, first: int, count: int) -> None:
-        for past, present, buf in zip(self._past_names, self._present_names, self.kv.buffers):
+        for past, present, buf in zip(self._past_names, self._present_names, self.kv.buffers, strict=True):
             view = ort.OrtValue.ortvalue_from_numpy(buf[first:first + count])  # shares memory, no copy
             binding.bind_ortvalue_input(past, view)
             binding.bind_ortvalue_output(present, view)

@@ -71,47 +71,93 @@ def apply_penalties(logits: np.ndarray, states: list[SamplingState]) -> None:
             logits[i, s.suppress] = -np.inf
 
 
-def draw(probs: np.ndarray, u: np.ndarray, n_valid: np.ndarray) -> np.ndarray:
-    """Inverse-CDF sampling per row; `n_valid` bounds the index (zero-probability tail)."""
-    cdf = np.cumsum(probs, axis=1)
-    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1)
-    return np.minimum(idx, n_valid - 1)
+BLOCK = 64  # inverse-CDF sampling finds the block first, then the token inside it
+CANDIDATES = 256  # top-k/top-p/min-p look at this many most likely tokens (more when a row needs it)
+
+
+def draw(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index i per row with probability weights[i] / sum(weights): inverse CDF, two-level.
+
+    A full-row cumulative sum is sequential and slow; block sums are vectorised, and only the
+    chosen block is summed token by token.
+    """
+    rows, width = weights.shape
+    if width % BLOCK:
+        weights = np.pad(weights, ((0, 0), (0, BLOCK - width % BLOCK)))
+    blocks = weights.reshape(rows, -1, BLOCK)
+    cum = np.cumsum(blocks.sum(axis=2).astype(np.float64), axis=1)  # [rows, n_blocks]
+    target = u * cum[:, -1]
+    r = np.arange(rows)
+    b = np.minimum((cum <= target[:, None]).sum(axis=1), cum.shape[1] - 1)
+    inner = blocks[r, b].astype(np.float64)  # [rows, BLOCK]
+    before = np.where(b > 0, cum[r, np.maximum(b - 1, 0)], 0.0)
+    j = ((before[:, None] + np.cumsum(inner, axis=1)) <= target[:, None]).sum(axis=1)
+    last_positive = BLOCK - 1 - np.argmax(inner[:, ::-1] > 0, axis=1)  # rounding can overshoot the block
+    return b * BLOCK + np.minimum(j, last_positive)
+
+
+def filter_sorted(ps: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """Keep-mask over probabilities sorted in descending order: top-k, then top-p, then min-p."""
+    width = ps.shape[1]
+    top_k = np.array([q.top_k or width for q in params])
+    top_p = np.array([q.top_p for q in params])
+    min_p = np.array([q.min_p for q in params])
+    keep = np.arange(width)[None, :] < top_k[:, None]
+    keep &= (np.cumsum(ps, axis=1) - ps) < top_p[:, None]  # the smallest prefix whose mass reaches top_p
+    keep &= ps >= min_p[:, None] * ps[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    return keep
+
+
+def sample_filtered(scaled: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.ndarray:
+    """top-k / top-p / min-p rows. Looks at the most likely `CANDIDATES` tokens (or top_k, if more);
+    a row whose nucleus or min-p set reaches past them is redone over the whole vocabulary."""
+    rows, vocab = scaled.shape
+    m = scaled.max(axis=1, keepdims=True)
+    z = np.exp(scaled - m).sum(axis=1, dtype=np.float64)[:, None]  # softmax normaliser over the full vocabulary
+    width = min(vocab, max([CANDIDATES] + [q.top_k for q in params]))
+    cand = np.argpartition(-scaled, width - 1, axis=1)[:, :width] if width < vocab else \
+        np.tile(np.arange(vocab), (rows, 1))
+    cl = np.take_along_axis(scaled, cand, axis=1)
+    order = np.argsort(-cl, axis=1, kind="stable")
+    cand = np.take_along_axis(cand, order, axis=1)
+    ps = np.exp(np.take_along_axis(cl, order, axis=1) - m) / z  # [rows, width], descending
+    keep = filter_sorted(ps, params)
+    if width < vocab:
+        short = np.array([(q.top_p < 1.0 and ps[i].sum() < q.top_p) or (q.min_p > 0 and keep[i, -1] and q.top_k == 0)
+                          for i, q in enumerate(params)])
+        for i in np.flatnonzero(short):  # rare: a flat distribution; sort this row in full
+            full = np.argsort(-scaled[i])
+            fps = np.exp(scaled[i, full] - m[i]) / z[i]
+            k = filter_sorted(fps[None], [params[i]])[0]
+            return_idx = draw(np.where(k, fps, 0.0)[None], u[i:i + 1])[0]
+            cand[i, 0], ps[i, 0], keep[i, 0], keep[i, 1:] = full[return_idx], 1.0, True, False
+    j = draw(np.where(keep, ps, 0.0), u)
+    return cand[np.arange(rows), j]
 
 
 def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.ndarray:
-    """Stochastic rows: temperature, softmax, top-k/top-p/min-p, then one draw each."""
+    """Stochastic rows: temperature, then top-k/top-p/min-p where asked, then one draw each."""
     temps = np.array([p.temperature for p in params], dtype=np.float32)
     scaled = logits / temps[:, None]
-    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
     tokens = np.empty(len(params), dtype=np.int64)
     filtered = np.array([p.filtered for p in params])
     plain = ~filtered
     if plain.any():
-        tokens[plain] = draw(probs[plain], u[plain], np.full(plain.sum(), probs.shape[1]))
+        x = scaled[plain]
+        weights = np.exp(x - x.max(axis=1, keepdims=True))
+        tokens[plain] = draw(weights, u[plain])
     if filtered.any():
-        fp = [p for p, f in zip(params, filtered) if f]
-        p = probs[filtered]
-        order = np.argsort(-p, axis=1, kind="stable")
-        ps = np.take_along_axis(p, order, axis=1)
-        vocab = ps.shape[1]
-        top_k = np.array([q.top_k or vocab for q in fp])
-        top_p = np.array([q.top_p for q in fp], dtype=np.float32)
-        min_p = np.array([q.min_p for q in fp], dtype=np.float32)
-        keep = np.arange(vocab)[None, :] < top_k[:, None]
-        keep &= (np.cumsum(ps, axis=1) - ps) < top_p[:, None]  # the smallest prefix reaching top_p
-        keep &= ps >= min_p[:, None] * ps[:, :1]
-        keep[:, 0] = True  # the most likely token always survives
-        ps = np.where(keep, ps, 0.0)
-        j = draw(ps, u[filtered], keep.sum(axis=1))
-        tokens[filtered] = order[np.arange(len(j)), j]
+        chosen = [p for p, f in zip(params, filtered, strict=True) if f]
+        tokens[filtered] = sample_filtered(scaled[filtered], chosen, u[filtered])
     return tokens
 
 
 def sample(logits: np.ndarray, states: list[SamplingState], top_n: int = 0) -> SampleOutput:
     """Choose one token per row of `logits` [B, vocab] (not modified)."""
     m = logits.max(axis=1)
-    lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))  # [B] log-partition of the raw logits
+    shifted = logits - m[:, None]
+    lse = m + np.log(np.exp(shifted, out=shifted).sum(axis=1))  # [B] log-partition of the raw logits
     adjusted = logits
     if any(s.counts is not None or s.suppress for s in states):
         adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
@@ -119,7 +165,9 @@ def sample(logits: np.ndarray, states: list[SamplingState], top_n: int = 0) -> S
     params = [s.params for s in states]
     greedy = np.array([p.greedy for p in params])
     tokens = np.empty(len(states), dtype=np.int64)
-    if greedy.any():
+    if greedy.all():
+        tokens = adjusted.argmax(axis=1)
+    elif greedy.any():
         tokens[greedy] = adjusted[greedy].argmax(axis=1)
     if not greedy.all():
         rows = np.flatnonzero(~greedy)

@@ -108,7 +108,7 @@ class Scheduler:
     def prefill_done(self, work: PrefillWork) -> list[Sequence]:
         """Record a prefill step; returns the sequences whose prompts are now complete."""
         done = []
-        for seq, chunk in zip(work.seqs, work.chunks):
+        for seq, chunk in zip(work.seqs, work.chunks, strict=True):
             seq.num_prefilled += len(chunk)
             if seq.num_prefilled == seq.prompt_len:
                 seq.status = Status.DECODING

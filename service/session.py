@@ -107,8 +107,9 @@ def open_graph(bundle_dir: str | Path, graph: str | None, cache: CacheLayout, pr
         raise BundleError(f"graph {name!r} is not in the bundle; it has {sorted(manifest.graphs)}")
     spec = manifest.graphs[name]
     if spec.cache != cache:
+        listing = ", ".join(f"{k} ({v.cache})" for k, v in manifest.graphs.items())
         raise BundleError(f"graph {name!r} has a {spec.cache} KV cache; this runner needs a {cache} one "
-                          f"(graphs in the bundle: {', '.join(f'{k} ({v.cache})' for k, v in manifest.graphs.items())})")
+                          f"(graphs in the bundle: {listing})")
     tokenizer = load_tokenizer(bundle_dir, manifest)
     session = create_session(bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
     check_io(session, spec, manifest.model.n_layer)

@@ -14,9 +14,9 @@ import torch
 from export.bundle_writer import GRAPH_FILES, sha256_file
 from export.cli import export_bundle
 from export.variants import node_count
-from export.verify import verify
+from export.verify import verify, verify_static
 from model.checkpoint import load_model_dir
-from service.bundle import decoder_io_names, read_manifest
+from service.bundle import decoder_io_names, read_manifest, static_io_names
 from service.concat_runner import OnnxRunner
 
 
@@ -27,7 +27,9 @@ def test_manifest_describes_the_model_and_the_graphs(tiny_bundle, tiny_model_dir
         model.config.vocab_size, 128, 2, 4, 8)
     assert m.model.eos_token_id == tok.eos_id and m.special_tokens == {"<|endoftext|>": tok.eos_id}
     assert m.source_weights_sha256 == sha256_file(tiny_model_dir / "model.safetensors")
-    assert set(m.graphs) == {"fp32", "optimized", "int8", "fp16"} and m.default_graph == "optimized"
+    assert set(m.graphs) == {"static", "static-int8", "fp32", "optimized", "int8", "fp16"}
+    assert m.default_graph == "static" and m.graphs["static"].cache == "static"
+    assert {g.cache for g in m.graphs.values()} == {"static", "concat"}
     assert (tiny_bundle / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
     assert m.opset == 17
 
@@ -44,6 +46,52 @@ def test_graph_io_names_shapes_and_metadata(tiny_bundle, variant):
     props = {p.key: p.value for p in graph.metadata_props}
     assert json.loads(props["attnserve.model"])["name"] == "tiny"
     assert {o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")} == {17}
+
+
+@pytest.mark.parametrize("variant", ["static", "static-int8"])
+def test_static_graph_io_names_shapes_and_metadata(tiny_bundle, variant):
+    graph = onnx.load(str(tiny_bundle / GRAPH_FILES[variant]))
+    inputs, outputs = static_io_names(2)
+    assert [i.name for i in graph.graph.input] == inputs
+    assert [o.name for o in graph.graph.output] == outputs
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+    assert dims["seqlens_k"] == ["batch"] and dims["total_sequence_length"] == []
+    assert dims["past_key_values.1.value"] == ["batch", 4, "max_seq", 8]
+    assert "GroupQueryAttention" in {n.op_type for n in graph.graph.node}
+    assert "Concat" not in {n.op_type for n in graph.graph.node}  # the cache is never copied
+    props = {p.key: p.value for p in graph.metadata_props}
+    assert json.loads(props["attnserve.model"])["name"] == "tiny"
+
+
+def test_static_graph_verifies_against_pytorch(tiny_bundle, tiny_model_dir):
+    model, _ = load_model_dir(tiny_model_dir)
+    report = verify_static(model, tiny_bundle)
+    assert report.passed, report.format()
+    assert [c.name for c in report.checks] == ["prefill", "chunked", "decode", "greedy"]
+
+
+@pytest.mark.parametrize("overrides", [dict(bias=False), dict(activation="gelu"), dict(pos_encoding="sinusoidal")])
+def test_static_graph_covers_every_architecture_option(tiny_tokenizer, tmp_path, overrides):
+    from model.checkpoint import save_model_dir
+    from tests.conftest import make_model
+
+    save_model_dir(make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, **overrides), tiny_tokenizer, tmp_path / "m")
+    export_bundle(tmp_path / "m", tmp_path / "b")
+    model, _ = load_model_dir(tmp_path / "m")
+    report = verify_static(model, tmp_path / "b")
+    assert report.passed, report.format()
+
+
+def test_static_verification_catches_a_wrong_graph(tiny_bundle, tiny_model_dir):
+    model, _ = load_model_dir(tiny_model_dir)
+    with torch.no_grad():
+        model.blocks[1].attn.out_proj.bias[0] += 0.1  # (a uniform shift would vanish in the next LayerNorm)
+    assert not verify_static(model, tiny_bundle).passed
+
+
+def test_no_fp32_needs_another_standard_graph(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="keeps a standard graph"):
+        export_bundle(tiny_model_dir, tmp_path, keep_fp32=False)
 
 
 @pytest.mark.parametrize("variant", ["fp32", "optimized"])
@@ -102,3 +150,5 @@ def test_imported_gpt2_exports_and_verifies(tiny_tokenizer, tmp_path):
     for variant in ("fp32", "optimized"):
         report = verify(model, OnnxRunner(tmp_path / "bundle", graph=variant, provider="cpu"))
         assert report.passed, report.format()
+    report = verify_static(model, tmp_path / "bundle")
+    assert report.passed, report.format()

@@ -45,7 +45,7 @@ def test_prefill_then_decode_equals_one_prefill(tiny_bundle):
 
 
 def test_cpu_is_chosen_and_reported(tiny_bundle, caplog):
-    caplog.set_level("INFO", logger="service.concat_runner")
+    caplog.set_level("INFO", logger="service.session")
     r = OnnxRunner(tiny_bundle, provider="auto")
     assert r.session.get_providers()[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
     assert "on CPUExecutionProvider" in caplog.text or "on CUDAExecutionProvider" in caplog.text

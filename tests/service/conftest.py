@@ -1,0 +1,172 @@
+"""Fixtures and helpers for the engine tests: a tiny bundle, engines on it, and a driver loop.
+
+The model behind the engine bundle is the tiny test model (vocab 300, n_ctx 128, 2 layers,
+d_model 32) with its weight matrices redrawn at a larger scale. At the default initialisation a
+random model's greedy output is one token repeated forever, which an equivalence test cannot tell
+apart from a broken cache; with these weights every continuation depends on the whole context
+(and on position), its greedy output varies from token to token, EOS is rare, and sampling at
+temperature 0.8 has real entropy. So a KV slot mixed up, a position off by one or a prefill chunk
+written to the wrong place changes the tokens.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.config import EngineConfig
+from service.engine import Engine
+from service.errors import EngineError
+from service.request import GenerationRequest, SamplingParams, StoppingCriteria, TokenEvent
+
+LIVELY_STD = 0.5  # std of the redrawn weight matrices
+LIVELY_SEED = 2
+
+
+@pytest.fixture(scope="session")
+def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny test model, with weight matrices ~ N(0, 0.5²): context-dependent, varied output."""
+    import torch
+
+    from model.checkpoint import save_model_dir
+    from tests.conftest import make_model
+
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128)
+    gen = torch.Generator().manual_seed(LIVELY_SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # embeddings and projections; biases and LayerNorms keep their init
+                p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
+    path = tmp_path_factory.mktemp("lively_model")
+    save_model_dir(model, tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_bundle(tmp_path_factory, lively_model_dir) -> Path:
+    """The lively model exported with the default graphs: `static` (served) and `fp32` (reference)."""
+    from export.cli import export_bundle
+
+    path = tmp_path_factory.mktemp("engine_bundle")
+    export_bundle(lively_model_dir, path, name="tiny")
+    return path
+
+
+@pytest.fixture(scope="session")
+def plain_bundle(tmp_path_factory, tiny_model_dir) -> Path:
+    """The shared tiny model (default initialisation) with the default graphs."""
+    from export.cli import export_bundle
+
+    path = tmp_path_factory.mktemp("plain_bundle")
+    export_bundle(tiny_model_dir, path, name="tiny")
+    return path
+
+
+ENGINE_DEFAULTS = dict(max_running=8, max_batch_tokens=256, max_waiting=64, intra_op_threads=1)
+
+
+@pytest.fixture
+def make_engine(engine_bundle) -> Callable[..., Engine]:
+    """make_engine(**config) -> a fresh Engine on the engine bundle (ENGINE_DEFAULTS otherwise)."""
+
+    def make(bundle: Path | None = None, **overrides) -> Engine:
+        return Engine(EngineConfig(bundle=bundle or engine_bundle, **{**ENGINE_DEFAULTS, **overrides}))
+
+    return make
+
+
+# ---- building requests ---------------------------------------------------------------------------
+
+def greedy(rid: str, prompt: list[int], max_new: int = 16, **stopping) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt), SamplingParams(temperature=0.0),
+                             StoppingCriteria(max_new_tokens=max_new, **stopping))
+
+
+def sampled(rid: str, prompt: list[int], max_new: int = 16, seed: int = 0, n: int = 1,
+            stopping: dict | None = None, **sampling) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt), SamplingParams(seed=seed, **sampling),
+                             StoppingCriteria(max_new_tokens=max_new, **(stopping or {})), n=n)
+
+
+def random_prompt(rng: np.random.Generator, length: int, vocab: int = 300) -> list[int]:
+    """Ids from 1 (EOS is 0) up to the vocabulary."""
+    return rng.integers(1, vocab, length).tolist()
+
+
+# ---- driving the sync engine ---------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What a run produced: events per (request, sequence index), and the error of each failed request."""
+
+    events: dict[tuple[str, int], list[TokenEvent]] = field(default_factory=lambda: defaultdict(list))
+    errors: dict[str, EngineError] = field(default_factory=dict)
+    steps: int = 0
+
+    def tokens(self, rid: str, index: int = 0) -> list[int]:
+        return [e.token_id for e in self.events[(rid, index)]]
+
+    def text(self, rid: str, index: int = 0) -> str:
+        return "".join(e.text for e in self.events[(rid, index)])
+
+    def finish(self, rid: str, index: int = 0):
+        evs = self.events[(rid, index)]
+        return evs[-1].finish_reason if evs else None
+
+    def collect(self, outputs: Iterable) -> None:
+        for state, item in outputs:
+            if isinstance(item, TokenEvent):
+                assert item.request_id == state.id
+                self.events[(item.request_id, item.index)].append(item)
+            else:
+                assert isinstance(item, EngineError), item
+                assert state.id not in self.errors, f"two errors for {state.id}"
+                self.errors[state.id] = item
+
+
+def drive(engine: Engine, requests: Iterable[GenerationRequest] = (), arrivals: dict[int, list] | None = None,
+          before_step: Callable[[Engine, int, Run], None] | None = None, max_steps: int = 5000) -> Run:
+    """Add `requests` now and `arrivals[step]` before that step; step until the engine is idle."""
+    run = Run()
+    for r in requests:
+        engine.add(engine.new_request(r))
+    arrivals = dict(arrivals or {})
+    step = 0
+    while engine.has_work or any(s >= step for s in arrivals):
+        for r in arrivals.pop(step, []):
+            engine.add(engine.new_request(r))
+        if before_step is not None:
+            before_step(engine, step, run)
+        run.collect(engine.step())
+        step += 1
+        assert step < max_steps, "the engine did not finish"
+    run.steps = step
+    check_idle(engine)
+    return run
+
+
+def check_idle(engine: Engine) -> None:
+    """Nothing is left behind: every KV slot and reservation is back, no request or queue entry remains."""
+    assert not engine.requests
+    assert engine.kv.used == 0 and engine.kv.reserved == 0
+    assert engine.kv.free_slots == engine.kv.n_slots
+    assert all(o is None for o in engine.kv.owners)
+    assert not engine.scheduler.waiting and engine.scheduler.chunking is None
+
+
+def run_alone(make_engine, request: GenerationRequest, **config) -> Run:
+    """`request` on a fresh engine of its own."""
+    return drive(make_engine(**config), [request])
+
+
+def check_event_stream(run: Run, rid: str, index: int = 0) -> None:
+    """Structural invariants of one sequence's events: exactly the last carries finish_reason."""
+    evs = run.events[(rid, index)]
+    assert evs, f"no events for {rid}/{index}"
+    assert all(e.finish_reason is None for e in evs[:-1])
+    assert evs[-1].finish_reason is not None

@@ -1,0 +1,137 @@
+"""Bad requests are refused up front with `InvalidRequest` naming the field; nothing is queued."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from service.errors import InvalidRequest
+from service.request import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
+from tests.service.conftest import check_idle, drive, greedy
+
+N_CTX = 128
+VOCAB = 300
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()
+
+
+def request(prompt=(1, 2, 3), sampling=None, stopping=None, **kw) -> GenerationRequest:
+    return GenerationRequest("bad", list(prompt), SamplingParams(**(sampling or {})), StoppingCriteria(**(stopping or {})),
+                             **kw)
+
+
+BAD = [
+    ("sampling.temperature", request(sampling=dict(temperature=-0.1))),
+    ("sampling.temperature", request(sampling=dict(temperature=math.nan))),
+    ("sampling.temperature", request(sampling=dict(temperature=math.inf))),
+    ("sampling.top_p", request(sampling=dict(top_p=0.0))),
+    ("sampling.top_p", request(sampling=dict(top_p=1.01))),
+    ("sampling.top_p", request(sampling=dict(top_p=math.nan))),
+    ("sampling.top_k", request(sampling=dict(top_k=-1))),
+    ("sampling.top_k", request(sampling=dict(top_k=VOCAB + 1))),
+    ("sampling.min_p", request(sampling=dict(min_p=-0.1))),
+    ("sampling.min_p", request(sampling=dict(min_p=1.5))),
+    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=0.0))),
+    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=-1.0))),
+    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=11.0))),
+    ("sampling.presence_penalty", request(sampling=dict(presence_penalty=2.5))),
+    ("sampling.presence_penalty", request(sampling=dict(presence_penalty=-2.5))),
+    ("sampling.frequency_penalty", request(sampling=dict(frequency_penalty=-3.0))),
+    ("sampling.frequency_penalty", request(sampling=dict(frequency_penalty=math.nan))),
+    ("sampling.seed", request(sampling=dict(seed=-1))),
+    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=0))),
+    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=-5))),
+    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=N_CTX))),
+    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=10_000))),
+    ("stopping.min_new_tokens", request(stopping=dict(max_new_tokens=4, min_new_tokens=5))),
+    ("stopping.min_new_tokens", request(stopping=dict(min_new_tokens=-1))),
+    ("stopping.stop", request(stopping=dict(stop=[f"s{i}" for i in range(17)]))),
+    ("stopping.stop[1]", request(stopping=dict(stop=["ok", ""]))),
+    ("stopping.stop[0]", request(stopping=dict(stop=["x" * 257]))),
+    ("stopping.stop_token_ids[1]", request(stopping=dict(stop_token_ids=[3, VOCAB]))),
+    ("stopping.stop_token_ids[0]", request(stopping=dict(stop_token_ids=[-1]))),
+    ("n", request(n=0)),
+    ("n", request(n=17)),
+    ("n", request(n=9)),  # more than this engine's max_running (8)
+    ("top_logprobs", request(top_logprobs=-1)),
+    ("top_logprobs", request(top_logprobs=21)),
+    ("prompt", request(prompt=[])),
+    ("prompt_token_ids[2]", request(prompt=[1, 2, VOCAB])),
+    ("prompt_token_ids[0]", request(prompt=[-1, 2])),
+    ("prompt_token_ids[1]", request(prompt=[1, 2.0])),
+    ("prompt", request(prompt=[1] * 120, stopping=dict(max_new_tokens=9))),
+    ("prompt", request(prompt=[1] * N_CTX, stopping=dict(max_new_tokens=1))),
+]
+
+
+@pytest.mark.parametrize("field,req", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_invalid_parameter_names_its_field(engine, field, req):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add(engine.new_request(req))
+    assert e.value.field == field
+    assert isinstance(e.value, ValueError) and field in str(e.value)
+    check_idle(engine)
+
+
+def test_limits_are_inclusive(engine):
+    """The edges of each range are accepted, and such requests run."""
+    reqs = [
+        GenerationRequest("a", [1] * 118, SamplingParams(temperature=0.0), StoppingCriteria(max_new_tokens=10)),
+        GenerationRequest("b", [5], SamplingParams(temperature=0.0), StoppingCriteria(max_new_tokens=N_CTX - 1,
+                                                                                        ignore_eos=True)),
+        GenerationRequest("c", [VOCAB - 1, 0], SamplingParams(temperature=100.0, top_p=1.0, top_k=VOCAB, min_p=1.0,
+                                                              repetition_penalty=10.0, presence_penalty=2.0,
+                                                              frequency_penalty=-2.0, seed=2**64 - 1),
+                          StoppingCriteria(max_new_tokens=4, min_new_tokens=4, stop=[f"s{i}" for i in range(16)],
+                                           stop_token_ids=[0, VOCAB - 1]), n=8, top_logprobs=20),
+    ]
+    run = drive(engine, reqs)
+    assert not run.errors
+    assert len(run.tokens("a")) == 10 and len(run.tokens("b")) == N_CTX - 1
+    assert all(len(run.tokens("c", i)) == 4 for i in range(8))
+    assert all(len(e.top_logprobs) == 20 for i in range(8) for e in run.events[("c", i)])
+
+
+def test_truncate_prompt_keeps_the_newest_tokens(engine, make_engine):
+    prompt = list(range(1, 121))  # 120 tokens + 20 new > 128
+    with pytest.raises(InvalidRequest):
+        engine.new_request(greedy("t", prompt, 20))
+    r = greedy("t", prompt, 20, ignore_eos=True)
+    r.truncate_prompt = True
+    state = engine.new_request(r)
+    assert state.prompt == prompt[-(N_CTX - 20):]
+    engine.add(state)
+    run = drive(engine)
+    assert len(run.tokens("t")) == 20 and run.finish("t") is FinishReason.LENGTH
+    want = drive(make_engine(), [greedy("t", prompt[-(N_CTX - 20):], 20, ignore_eos=True)])
+    assert run.tokens("t") == want.tokens("t")
+
+
+def test_max_prompt_tokens_and_max_new_tokens_caps(make_engine):
+    engine = make_engine(max_prompt_tokens=10, max_new_tokens=5)
+    with pytest.raises(InvalidRequest) as e:
+        engine.new_request(greedy("p", list(range(1, 12)), 5))
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidRequest) as e:
+        engine.new_request(greedy("p", [1, 2], 6))
+    assert e.value.field == "stopping.max_new_tokens"
+    r = greedy("p", list(range(1, 12)), 5, ignore_eos=True)
+    r.truncate_prompt = True
+    engine.add(engine.new_request(r))
+    assert r.prompt_token_ids == list(range(2, 12))
+    assert len(drive(engine).tokens("p")) == 5
+
+
+def test_a_refused_request_does_not_disturb_the_engine(engine, make_engine):
+    engine.add(engine.new_request(greedy("ok", [4, 5, 6], 8)))
+    engine.step()
+    with pytest.raises(InvalidRequest):
+        engine.add(engine.new_request(greedy("ok", [4, 5, 6], 8)))  # duplicate id while running
+    with pytest.raises(InvalidRequest):
+        engine.add(engine.new_request(request(sampling=dict(top_p=0.0))))
+    run = drive(engine)
+    assert not run.errors and len(run.tokens("ok")) == 7  # the first token came from the step above
