@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint generate train bundle bench-onnx clean
+.PHONY: help install test lint generate protos train bundle bench-onnx clean
 
 help:
 	@echo "make generate   sample text from the shipped default model"
@@ -32,6 +32,9 @@ lint: install
 
 generate: install
 	$(BIN)/attnserve generate "$(PROMPT)" --bundle $(BUNDLE) --max-new-tokens 120 --temperature 0.8 --top-p 0.95
+
+protos: install
+	$(BIN)/python protos/build.py
 
 train: install
 	$(BIN)/attnserve train --out $(MODEL)

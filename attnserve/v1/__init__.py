@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of protos/attnserve/v1 (python protos/build.py); do not edit."""
