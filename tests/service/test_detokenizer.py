@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 
 from model.tokenizer import Tokenizer, train_bpe
-from service.detokenizer import IncrementalDetokenizer, TextStream
+from service.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
 from service.request import GenerationRequest, SamplingParams, StoppingCriteria
 from tests.service.conftest import drive, random_prompt
-
-REPLACEMENT = "\ufffd"
 
 UNICODE_TEXTS = [
     "héllo wörld 你好世界 😀🎉 日本語",
