@@ -10,8 +10,9 @@ import importlib
 import sys
 
 COMMANDS = {
+    "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
-    "generate": ("service.generate", "generate text from an ONNX bundle through the serving engine (no torch)"),
+    "generate": ("service.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs = args.graphs.split(",")
     rows = []
     for graph in graphs:
-        config = EngineConfig(bundle=args.bundle, graph=graph, max_running=max(levels), intra_op_threads=args.threads,
+        config = EngineConfig(bundle=args.bundle, graph=graph, max_running=max(levels), threads=args.threads,
                               max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
         engine = Engine(config)
         flops_per_token = 2 * matmul_params(engine.runner.manifest)

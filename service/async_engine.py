@@ -16,6 +16,7 @@ The engine thread never waits for a consumer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -32,12 +33,18 @@ IDLE_WAIT_S = 0.5  # how long an idle engine sleeps before re-checking deadlines
 
 
 class RequestStream:
-    """The async iterator returned by `submit`: one request's events, then its end."""
+    """The async iterator returned by `submit`: one request's events, then its end.
+
+    Iterate it for one event at a time, or call `next_batch()` for every event that has arrived
+    (a consumer that fell behind catches up in one go). Leaving early (`cancel()`, or the consuming
+    task being cancelled) aborts the request and frees its KV slots at the engine's next step.
+    """
 
     def __init__(self, engine: AsyncEngine, state: RequestState):
         self._engine = engine
         self.state = state
-        self._queue: asyncio.Queue[TokenEvent | EngineError | None] = asyncio.Queue()
+        self._items: deque[TokenEvent | EngineError | None] = deque()
+        self._arrived = asyncio.Event()
         self._open = state.request.n  # sequences not finished yet
         self.finished = False
 
@@ -46,7 +53,8 @@ class RequestStream:
         return self.state.id
 
     def _put(self, item: TokenEvent | EngineError | None) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._arrived.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -54,22 +62,52 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
+        await self._wait()
+        item = self._items.popleft()
         if isinstance(item, EngineError):
             self._close()
             raise item
         if item is None:
             self._close()
             raise StopAsyncIteration
-        if item.finish_reason is not None:
+        self._count(item)
+        return item
+
+    async def next_batch(self) -> list[TokenEvent]:
+        """Every event that has arrived, waiting for at least one; [] once the request has ended.
+        An error is raised after the events that came before it have been returned."""
+        if self.finished:
+            return []
+        await self._wait()
+        events: list[TokenEvent] = []
+        while self._items and isinstance(self._items[0], TokenEvent):
+            item = self._items.popleft()
+            self._count(item)
+            events.append(item)
+            if self.finished:
+                return events
+        if events:
+            return events
+        item = self._items.popleft()
+        self._close()
+        if isinstance(item, EngineError):
+            raise item
+        return []
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._arrived.clear()
+            try:
+                await self._arrived.wait()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+
+    def _count(self, event: TokenEvent) -> None:
+        if event.finish_reason is not None:
             self._open -= 1
             if self._open == 0:
                 self._close()
-        return item
 
     def _close(self) -> None:
         self.finished = True
@@ -125,8 +163,14 @@ class AsyncEngine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (taken by the engine thread after each step)."""
-        return self._stats
+        """The latest snapshot (taken by the engine thread after each step), counting requests
+        submitted but not yet taken in by the engine thread as waiting."""
+        return dataclasses.replace(self._stats, waiting_requests=self._stats.waiting_requests + self._queued)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended."""
+        return len(self._streams)
 
     async def shutdown(self) -> None:
         self._stopping = True

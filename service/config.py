@@ -1,24 +1,46 @@
-"""Engine configuration: one pydantic object, built once at start-up and passed in."""
+"""Configuration: one pydantic object, built once at start-up and passed in.
+
+`EngineConfig` is what the engine needs. `ServerSettings` adds the server's own options and reads
+them, highest priority first, from CLI flags, `ATTNSERVE_*` environment variables and an optional
+TOML or JSON config file (`--config` or `ATTNSERVE_CONFIG`). Nothing is read from the environment
+at import time: `load_settings` does it, once.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
+ENV_PREFIX = "ATTNSERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+CONFIG_SUFFIXES = {".toml": "toml_file", ".json": "json_file"}
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message says which, where it came from, and what is allowed."""
 
 
 class EngineConfig(BaseModel):
-    bundle: Path  # ONNX bundle directory (attnserve export)
-    graph: str | None = None  # graph variant; None = the bundle's static-cache default
-    provider: Literal["auto", "cpu", "cuda"] = "cpu"
-    intra_op_threads: int = Field(0, ge=0)  # onnxruntime threads per op; 0 = one per core
-    max_running: int = Field(64, ge=1)  # sequences decoded together (KV slots)
-    max_waiting: int = Field(256, ge=0)  # requests queued beyond that; more are refused with Overloaded
-    max_batch_tokens: int = Field(512, ge=2)  # tokens per step: one per running sequence plus prefill
-    kv_cache_bytes: int | None = Field(None, ge=1)  # cap on KV memory; None = max_running full-length slots
-    max_new_tokens: int | None = Field(None, ge=1)  # cap on a request's max_new_tokens; None = context - 1
-    max_prompt_tokens: int | None = Field(None, ge=1)  # cap on prompt length; None = context - 1
+    bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
+    graph: str | None = Field(None, description="graph variant; unset = the bundle's serving default")
+    providers: Literal["auto", "cpu", "cuda"] = Field(
+        "cpu", description="onnxruntime execution provider: cpu, cuda (CPU fallback), or auto (cuda when present)")
+    threads: int = Field(0, ge=0, description="onnxruntime threads per operator; 0 = one per core")
+    max_running: int = Field(64, ge=1, description="sequences decoded together (KV cache slots)")
+    max_waiting: int = Field(256, ge=0, description="requests queued beyond max_running; more get RESOURCE_EXHAUSTED")
+    max_batch_tokens: int = Field(
+        512, ge=2, description="tokens per model step: one per running sequence plus prompt prefill")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="cap on KV cache memory; unset = max_running full-context slots")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="limit on a request's max_new_tokens; unset = the model context - 1")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="limit on prompt tokens; unset = the context - 1")
 
     @model_validator(mode="after")
     def _budget_leaves_room_for_prefill(self) -> EngineConfig:
@@ -27,3 +49,78 @@ class EngineConfig(BaseModel):
                              f"({self.max_running}): each step spends one token per running sequence and "
                              "needs room left to prefill new prompts")
         return self
+
+
+class ServerSettings(BaseSettings, EngineConfig):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to bind the gRPC server to (0.0.0.0 = all interfaces)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    metrics_port: int = Field(9464, ge=0, le=65535,
+                              description="Prometheus /metrics HTTP port on the same host (0 = no metrics server)")
+    default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens of a request that leaves it 0")
+    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message accepted")
+    max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
+    warmup: bool = Field(True, description="run a few requests through every batch shape before reporting SERVING")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        files = TomlConfigSettingsSource(settings_cls), JsonConfigSettingsSource(settings_cls)
+        return init_settings, env_settings, *files
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
+
+
+def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | str | None = None) -> ServerSettings:
+    """CLI values (`overrides`) > `ATTNSERVE_*` env > config file > defaults; raises `SettingsError`."""
+    config_file = config_file or os.environ.get(CONFIG_ENV) or None
+    cls = ServerSettings
+    if config_file is not None:
+        path = Path(config_file)
+        if path.suffix not in CONFIG_SUFFIXES:
+            raise SettingsError(f"config file {path}: use a .toml or .json file")
+        if not path.is_file():
+            raise SettingsError(f"config file {path} does not exist")
+        cls = type("ServerSettings", (ServerSettings,),
+                   {"model_config": {**ServerSettings.model_config, CONFIG_SUFFIXES[path.suffix]: path}})
+    try:
+        return cls(**(overrides or {}))
+    except ValidationError as e:
+        raise SettingsError(describe_errors(e)) from None
+    except ValueError as e:  # an unreadable config file
+        raise SettingsError(f"config file {config_file}: {e}") from None
+
+
+def describe_errors(error: ValidationError) -> str:
+    """One line per bad setting: its name, the env var that sets it, the value and what is allowed."""
+    lines = []
+    for err in error.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        where = f" (--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()})" if err["loc"] else ""
+        got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        lines.append(f"{name}{where}: {err['msg'].removeprefix('Value error, ')}{got}")
+    return "\n".join(lines)
+
+
+def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A flag per `ServerSettings` field, its help showing the default and the env var. Flags not
+    given are left out of the parsed namespace, so env and config file values are not overridden."""
+    p = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help=f"TOML or JSON settings file (env {CONFIG_ENV}); flags and env "
+                                               "variables override it")
+    for name, info in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.get_default(call_default_factory=True)
+        shown = "unset" if default is None else str(default)
+        help_ = f"{info.description} [default: {shown}; env {ENV_PREFIX}{name.upper()}]"
+        choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
+        if info.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            p.add_argument(flag, choices=choices, metavar=name.upper() if not choices else None, help=help_)
+    return p

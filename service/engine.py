@@ -57,7 +57,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner or ModelRunner(config.bundle, config.graph, config.provider, config.intra_op_threads)
+        self.runner = runner or ModelRunner(config.bundle, config.graph, config.providers, config.threads)
         m = self.runner.manifest.model
         self.model = m
         self.tokenizer = self.runner.tokenizer
@@ -121,7 +121,7 @@ class Engine:
 
     def abort(self, request_id: str) -> list[Output]:
         state = self.requests.get(request_id)
-        return self.end(state, Cancelled(f"request {request_id!r} was cancelled")) if state else []
+        return self.end(state, Cancelled("the request was cancelled")) if state else []
 
     def expire(self, now: float | None = None) -> list[Output]:
         """End every request whose deadline has passed, waiting or running."""
@@ -130,7 +130,7 @@ class Engine:
         late = [s for s in self.requests.values() if s.request.deadline is not None and s.request.deadline <= now]
         for state in late:
             where = "in the queue" if state.scheduled_at is None else "while running"
-            out += self.end(state, DeadlineExceeded(f"request {state.id!r} passed its deadline {where}"))
+            out += self.end(state, DeadlineExceeded(f"the deadline passed {where}"))
         return out
 
     def end(self, state: RequestState, error: EngineError | None) -> list[Output]:
@@ -165,6 +165,7 @@ class Engine:
             return []
         top_n = max(s.request.request.top_logprobs for s in seqs)
         result = sample(logits, [s.sampling for s in seqs], top_n)
+        now = time.monotonic()
         out = []
         for i, seq in enumerate(seqs):
             top = None
@@ -172,7 +173,7 @@ class Engine:
                 k = seq.request.request.top_logprobs
                 ids, lps = result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()
                 top = list(zip(ids, lps, strict=True))
-            out += self._append(seq, int(result.tokens[i]), float(result.logprobs[i]), top)
+            out += self._append(seq, int(result.tokens[i]), float(result.logprobs[i]), top, now)
         self._count(len(seqs))
         return out
 
@@ -221,12 +222,12 @@ class Engine:
 
     # ---- update and emit -----------------------------------------------------------------------
 
-    def _append(self, seq: Sequence, token: int, logprob: float, top: list | None) -> list[Output]:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: list | None, now: float) -> list[Output]:
         state, req = seq.request, seq.request.request
         st = req.stopping
         seq.output_ids.append(token)
         seq.sampling.accept(token)
-        state.first_token_at = state.first_token_at or time.monotonic()
+        state.first_token_at = state.first_token_at or now
         n_out = len(seq.output_ids)
         active = n_out >= st.min_new_tokens  # stop conditions count only from min_new_tokens on
         reason = None
@@ -246,7 +247,7 @@ class Engine:
             text += tail
             reason = FinishReason.STOP if by_string else reason
         self._set_suppression(seq)
-        event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason)
+        event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now)
         out: list[Output] = [(state, event)]
         if reason is None:
             self.kv.pending[seq.slot] = token

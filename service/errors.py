@@ -31,5 +31,13 @@ class ModelError(EngineError):
     """The model step that carried this request failed; other requests are unaffected."""
 
 
-class EngineStopped(EngineError):
-    """The engine is shutting down and takes no new work."""
+class Unavailable(EngineError):
+    """The server cannot take work now (still loading, or draining); another replica may."""
+
+
+class NotReady(Unavailable):
+    """The model is still loading or warming up."""
+
+
+class EngineStopped(Unavailable):
+    """The engine is shutting down (draining) and takes no new work."""

@@ -1,9 +1,13 @@
-"""`attnserve generate`: text from an ONNX bundle through the serving engine, streamed. No torch.
+"""`attnserve generate`: text from a running server (`--server`) or from an ONNX bundle in-process. No torch.
 
+    attnserve generate "Rom." --stream --temperature 0.8 --max-new-tokens 100 --server localhost:50051
     attnserve generate "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-p 0.95 --seed 1
     attnserve generate "To be" -n 3 --stop "\\n\\n" --bundle models/shakespeare-onnx
 
-With n = 1 the text streams as it is generated; with n > 1 each completion is printed whole.
+Both modes send the same `GenerateRequest` and apply the same defaults (docs/api.md): flags left
+out take the server's defaults. With n = 1 the text is printed as it arrives (`--stream` asks a
+server for GenerateStream; the in-process engine always streams); with n > 1 each completion is
+printed whole. The finish reason goes to stderr.
 """
 
 from __future__ import annotations
@@ -13,27 +17,32 @@ import asyncio
 import sys
 from pathlib import Path
 
-from service.async_engine import AsyncEngine
-from service.config import EngineConfig
-from service.errors import EngineError
-from service.request import GenerationRequest, SamplingParams, StoppingCriteria
+import grpc
 
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
+from attnserve.v1 import generate_pb2 as pb
+from service.client import Client, build_request
+from service.config import DEFAULT_BUNDLE, ServerSettings
+
+FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnserve generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt")
-    p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
-    p.add_argument("--graph", default=None, help="graph variant (default: the bundle's serving graph)")
+    where = p.add_argument_group("where").add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="HOST:PORT", help="a running attnserve server (default: in-process)")
+    where.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="ONNX bundle for the in-process engine")
+    p.add_argument("--graph", default=None, help="graph variant in-process (default: the bundle's serving graph)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive (GenerateStream)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --server)")
     p.add_argument("-n", type=int, default=1, help="completions from the one prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
     p.add_argument("--min-new-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -42,40 +51,90 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(args: argparse.Namespace) -> int:
+def request_of(args: argparse.Namespace) -> pb.GenerateRequest:
+    return build_request(args.prompt, n=args.n, max_new_tokens=args.max_new_tokens,
+                         min_new_tokens=args.min_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+class Printer:
+    """Prints stream messages: text as it comes for n = 1, whole completions at the end for n > 1."""
+
+    def __init__(self, prompt: str, n: int):
+        self.prompt, self.n = prompt, n
+        self.texts = [""] * n
+        self.started = False
+
+    def message(self, msg: pb.GenerateStreamResponse) -> None:
+        self.texts[msg.index] += msg.text
+        if self.n == 1:
+            print(("" if self.started else self.prompt) + msg.text, end="", flush=True)
+            self.started = True
+            if msg.finish_reason:
+                print(f"\n[{FINISH_NAMES[msg.finish_reason]}]", file=sys.stderr)
+
+    def response(self, response: pb.GenerateResponse) -> None:
+        for c in response.completions:
+            self.message(pb.GenerateStreamResponse(index=c.index, text=c.text, finish_reason=c.finish_reason))
+
+    def close(self) -> None:
+        if self.n > 1:
+            for i, text in enumerate(self.texts):
+                print(f"--- {i}\n{self.prompt}{text}")
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    printer = Printer(args.prompt, max(args.n, 1))
+    try:
+        with Client(args.server, timeout_s=args.timeout) as client:
+            request = request_of(args)
+            if args.stream:
+                call = client.stub.GenerateStream(request, timeout=args.timeout)
+                for msg in call:
+                    printer.message(msg)
+            else:
+                printer.response(client.stub.Generate(request, timeout=args.timeout))
+    except grpc.RpcError as e:
+        print(f"\nattnserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() is grpc.StatusCode.INVALID_ARGUMENT else 1
+    printer.close()
+    return 0
+
+
+async def run_local(args: argparse.Namespace) -> int:
+    from service.async_engine import AsyncEngine
+    from service.config import EngineConfig
+    from service.errors import EngineError
+    from service.protocol import StreamState, TokenTexts, parse_request, stream_messages
+
     engine = AsyncEngine(EngineConfig(bundle=args.bundle, graph=args.graph, max_running=max(args.n, 1) + 1))
     engine.start()
-    tokenizer = engine.engine.tokenizer
-    request = GenerationRequest(
-        "cli", tokenizer.encode(args.prompt),
-        SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
-                       args.presence_penalty, args.frequency_penalty, args.seed),
-        StoppingCriteria(args.max_new_tokens, args.min_new_tokens, args.stop, [], args.ignore_eos), n=args.n)
-    texts = [""] * args.n
+    printer = Printer(args.prompt, max(args.n, 1))
+    core = engine.engine
     try:
-        stream = engine.submit(request)
-        if args.n == 1:
-            print(args.prompt, end="", flush=True)
-        async for event in stream:
-            texts[event.index] += event.text
-            if args.n == 1:
-                print(event.text, end="", flush=True)
-            if event.finish_reason is not None and args.n == 1:
-                print(f"\n[{event.finish_reason.value}]", file=sys.stderr)
+        default_max_new = ServerSettings.model_fields["default_max_new_tokens"].default
+        wire = parse_request(request_of(args), core.tokenizer, core.model.n_ctx, default_max_new)
+        stream = engine.submit(wire.request)
+        texts, sent = TokenTexts(core.tokenizer), StreamState()
+        while batch := await stream.next_batch():
+            for msg in stream_messages(wire, batch, texts, sent, stream.state, last=stream.finished):
+                printer.message(msg)
     except EngineError as e:
         print(f"\nattnserve generate: {e}", file=sys.stderr)
         return 2
     finally:
         await engine.shutdown()
-    if args.n > 1:
-        for i, text in enumerate(texts):
-            print(f"--- {i}\n{args.prompt}{text}")
+    printer.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return asyncio.run(run(args))
+    if args.server:
+        return run_remote(args)
+    return asyncio.run(run_local(args))
 
 
 if __name__ == "__main__":

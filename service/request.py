@@ -9,10 +9,23 @@ every field is checked against the model and the engine limits, and a bad one ra
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import annotated_types
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as validated_dataclass
 
 from service.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+# Parameters are validated when they are built: a value out of range raises pydantic's
+# ValidationError (a ValueError); `build` turns it into `InvalidRequest` naming the field and range.
+PARAMS = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
 class FinishReason(str, enum.Enum):
@@ -21,16 +34,16 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop string or a stop token id matched
 
 
-@dataclass
+@validated_dataclass(config=PARAMS)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits are divided by it
-    top_k: int = 0  # keep the k most likely tokens; 0 = all
-    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 = all
-    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0 = none
-    repetition_penalty: float = 1.0  # CTRL-style, on prompt and generated tokens; 1 = off
-    presence_penalty: float = 0.0  # subtracted once from every generated token's logit
-    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
-    seed: int | None = None  # per-request RNG seed; None draws one
+    temperature: float = Field(1.0, ge=0.0, le=100.0)  # 0 = greedy (argmax); otherwise logits are divided by it
+    top_k: int = Field(0, ge=0)  # keep the k most likely tokens; 0 = all (at most the vocabulary)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # keep the smallest set whose probability reaches top_p; 1 = all
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # drop tokens less likely than min_p × the most likely one; 0 = none
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # CTRL-style, on prompt and generated tokens; 1 = off
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted once from every generated token's logit
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted per occurrence of a generated token
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # per-request RNG seed; None draws one
 
     @property
     def greedy(self) -> bool:
@@ -45,13 +58,73 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
-@dataclass
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+@validated_dataclass(config=PARAMS)
 class StoppingCriteria:
-    max_new_tokens: int = 16  # tokens to generate at most
-    min_new_tokens: int = 0  # EOS, stop ids and stop strings are ignored before this many
-    stop: list[str] = field(default_factory=list)  # stop strings, matched across token boundaries, not emitted
-    stop_token_ids: list[int] = field(default_factory=list)  # ids that end the sequence (emitted as ids, no text)
+    max_new_tokens: int = Field(16, ge=1)  # tokens to generate at most (and at most the engine's limit)
+    min_new_tokens: int = Field(0, ge=0)  # EOS, stop ids and stop strings are ignored before this many
+    # stop strings, matched across token boundaries, not emitted
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    # ids that end the sequence (emitted as ids, no text)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False  # keep generating past EOS
+
+
+def build(cls: type, prefix: str, values: dict[str, Any]):
+    """`cls(**values)`, with a bad value reported as `InvalidRequest("<prefix>.<field>", range)`."""
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        raise invalid_request(e, cls, prefix) from None
+
+
+def invalid_request(error: ValidationError, cls: type, prefix: str = "") -> InvalidRequest:
+    """The first error of `error` as `InvalidRequest`, naming the field path and its allowed range."""
+    err = error.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    path = (prefix + "." if prefix else "") + loc[0] + "".join(f"[{p}]" for p in loc[1:]) if loc else prefix
+    bounds = _bounds(cls, loc[0]) if len(loc) == 1 and err["type"] not in ("finite_number",) else None
+    value = err.get("input")
+    if err["type"] == "finite_number":
+        return InvalidRequest(path, f"{value!r} is not a finite number")
+    ctx = err.get("ctx", {})
+    if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        bounds = bounds or (f"[{ctx['ge']}, inf)" if "ge" in ctx else f"({ctx['gt']}, inf)" if "gt" in ctx else
+                            f"(-inf, {ctx['le']}]" if "le" in ctx else f"(-inf, {ctx.get('lt')})")
+        return InvalidRequest(path, f"{value!r} is outside {bounds}")
+    if err["type"] in ("string_too_short", "too_short"):
+        return InvalidRequest(path, f"has length {len(value)}; the least allowed is {ctx.get('min_length')}")
+    if err["type"] in ("string_too_long", "too_long"):
+        return InvalidRequest(path, f"has length {len(value)}; the most allowed is {ctx.get('max_length')}")
+    return InvalidRequest(path, f"{err['msg']}; got {_short(value)}")
+
+
+def _bounds(cls: type, name: str) -> str | None:
+    info = getattr(cls, "__pydantic_fields__", {}).get(name)
+    if info is None:
+        return None
+    low = high = None
+    low_open = high_open = False
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            low = m.ge
+        elif isinstance(m, annotated_types.Gt):
+            low, low_open = m.gt, True
+        elif isinstance(m, annotated_types.Le):
+            high = m.le
+        elif isinstance(m, annotated_types.Lt):
+            high, high_open = m.lt, True
+    if low is None and high is None:
+        return None
+    return f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}" \
+           f"{')' if high_open or high is None else ']'}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -60,10 +133,8 @@ class EngineLimits:
 
     max_new_tokens: int  # upper bound on a request's max_new_tokens
     max_prompt_tokens: int  # upper bound on the prompt length
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_n: int = 16
-    max_top_logprobs: int = 20
+    max_n: int = MAX_N
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -80,25 +151,12 @@ class GenerationRequest:
     def validate(self, vocab_size: int, n_ctx: int, limits: EngineLimits) -> None:
         """Raise `InvalidRequest` for the first bad field; may truncate the prompt if asked to."""
         s, st = self.sampling, self.stopping
-        _finite_range("sampling.temperature", s.temperature, 0.0, 100.0)
-        _int_range("sampling.top_k", s.top_k, 0, vocab_size)
-        _finite_range("sampling.top_p", s.top_p, 0.0, 1.0, low_open=True)
-        _finite_range("sampling.min_p", s.min_p, 0.0, 1.0)
-        _finite_range("sampling.repetition_penalty", s.repetition_penalty, 0.0, 10.0, low_open=True)
-        _finite_range("sampling.presence_penalty", s.presence_penalty, -2.0, 2.0)
-        _finite_range("sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
-        if s.seed is not None:
-            _int_range("sampling.seed", s.seed, 0, 2**64 - 1)
+        if s.top_k > vocab_size:
+            raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
         _int_range("n", self.n, 1, limits.max_n)
         _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
         _int_range("stopping.max_new_tokens", st.max_new_tokens, 1, min(limits.max_new_tokens, n_ctx - 1))
         _int_range("stopping.min_new_tokens", st.min_new_tokens, 0, st.max_new_tokens)
-        if len(st.stop) > limits.max_stop_strings:
-            raise InvalidRequest("stopping.stop", f"{len(st.stop)} stop strings; at most {limits.max_stop_strings}")
-        for i, text in enumerate(st.stop):
-            if not text or len(text) > limits.max_stop_string_chars:
-                raise InvalidRequest(f"stopping.stop[{i}]",
-                                     f"length {len(text)}; must be 1..{limits.max_stop_string_chars} characters")
         for i, t in enumerate(st.stop_token_ids):
             _int_range(f"stopping.stop_token_ids[{i}]", t, 0, vocab_size - 1)
         if not self.prompt_token_ids:
@@ -114,13 +172,6 @@ class GenerationRequest:
                                      f"(prompt limit {limits.max_prompt_tokens}); shorten it, lower max_new_tokens, "
                                      "or ask for truncation")
             self.prompt_token_ids = self.prompt_token_ids[-room:]
-
-
-def _finite_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
-        raise InvalidRequest(name, f"{value!r} is not a finite number")
-    if value > high or value < low or (low_open and value == low):
-        raise InvalidRequest(name, f"{value} is outside {'(' if low_open else '['}{low}, {high}]")
 
 
 def _int_range(name: str, value: int, low: int, high: int) -> None:
@@ -139,3 +190,4 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None  # the most likely alternatives, when asked for
     text: str  # newly decoded text; may be empty while a character or a stop string is incomplete
     finish_reason: FinishReason | None = None  # set on the sequence's last event
+    time: float = 0.0  # time.monotonic() of the step that produced it

@@ -67,7 +67,7 @@ def plain_bundle(tmp_path_factory, tiny_model_dir) -> Path:
     return path
 
 
-ENGINE_DEFAULTS = dict(max_running=8, max_batch_tokens=256, max_waiting=64, intra_op_threads=1)
+ENGINE_DEFAULTS = dict(max_running=8, max_batch_tokens=256, max_waiting=64, threads=1)
 
 
 @pytest.fixture

@@ -1,4 +1,7 @@
-"""Bad requests are refused up front with `InvalidRequest` naming the field; nothing is queued."""
+"""Bad requests are refused up front with `InvalidRequest` naming the field and range; nothing is queued.
+
+Ranges that do not depend on the model are checked when the parameters are built (`build`, pydantic);
+those that do (vocabulary, context, engine limits) when the engine takes the request."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import math
 import pytest
 
 from service.errors import InvalidRequest
-from service.request import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
+from service.request import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria, build
 from tests.service.conftest import check_idle, drive, greedy
 
 N_CTX = 128
@@ -20,58 +23,58 @@ def engine(make_engine):
 
 
 def request(prompt=(1, 2, 3), sampling=None, stopping=None, **kw) -> GenerationRequest:
-    return GenerationRequest("bad", list(prompt), SamplingParams(**(sampling or {})), StoppingCriteria(**(stopping or {})),
-                             **kw)
+    return GenerationRequest("bad", list(prompt), build(SamplingParams, "sampling", sampling or {}),
+                             build(StoppingCriteria, "stopping", stopping or {}), **kw)
 
 
 BAD = [
-    ("sampling.temperature", request(sampling=dict(temperature=-0.1))),
-    ("sampling.temperature", request(sampling=dict(temperature=math.nan))),
-    ("sampling.temperature", request(sampling=dict(temperature=math.inf))),
-    ("sampling.top_p", request(sampling=dict(top_p=0.0))),
-    ("sampling.top_p", request(sampling=dict(top_p=1.01))),
-    ("sampling.top_p", request(sampling=dict(top_p=math.nan))),
-    ("sampling.top_k", request(sampling=dict(top_k=-1))),
-    ("sampling.top_k", request(sampling=dict(top_k=VOCAB + 1))),
-    ("sampling.min_p", request(sampling=dict(min_p=-0.1))),
-    ("sampling.min_p", request(sampling=dict(min_p=1.5))),
-    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=0.0))),
-    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=-1.0))),
-    ("sampling.repetition_penalty", request(sampling=dict(repetition_penalty=11.0))),
-    ("sampling.presence_penalty", request(sampling=dict(presence_penalty=2.5))),
-    ("sampling.presence_penalty", request(sampling=dict(presence_penalty=-2.5))),
-    ("sampling.frequency_penalty", request(sampling=dict(frequency_penalty=-3.0))),
-    ("sampling.frequency_penalty", request(sampling=dict(frequency_penalty=math.nan))),
-    ("sampling.seed", request(sampling=dict(seed=-1))),
-    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=0))),
-    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=-5))),
-    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=N_CTX))),
-    ("stopping.max_new_tokens", request(stopping=dict(max_new_tokens=10_000))),
-    ("stopping.min_new_tokens", request(stopping=dict(max_new_tokens=4, min_new_tokens=5))),
-    ("stopping.min_new_tokens", request(stopping=dict(min_new_tokens=-1))),
-    ("stopping.stop", request(stopping=dict(stop=[f"s{i}" for i in range(17)]))),
-    ("stopping.stop[1]", request(stopping=dict(stop=["ok", ""]))),
-    ("stopping.stop[0]", request(stopping=dict(stop=["x" * 257]))),
-    ("stopping.stop_token_ids[1]", request(stopping=dict(stop_token_ids=[3, VOCAB]))),
-    ("stopping.stop_token_ids[0]", request(stopping=dict(stop_token_ids=[-1]))),
-    ("n", request(n=0)),
-    ("n", request(n=17)),
-    ("n", request(n=9)),  # more than this engine's max_running (8)
-    ("top_logprobs", request(top_logprobs=-1)),
-    ("top_logprobs", request(top_logprobs=21)),
-    ("prompt", request(prompt=[])),
-    ("prompt_token_ids[2]", request(prompt=[1, 2, VOCAB])),
-    ("prompt_token_ids[0]", request(prompt=[-1, 2])),
-    ("prompt_token_ids[1]", request(prompt=[1, 2.0])),
-    ("prompt", request(prompt=[1] * 120, stopping=dict(max_new_tokens=9))),
-    ("prompt", request(prompt=[1] * N_CTX, stopping=dict(max_new_tokens=1))),
+    ("sampling.temperature", dict(sampling=dict(temperature=-0.1))),
+    ("sampling.temperature", dict(sampling=dict(temperature=math.nan))),
+    ("sampling.temperature", dict(sampling=dict(temperature=math.inf))),
+    ("sampling.top_p", dict(sampling=dict(top_p=0.0))),
+    ("sampling.top_p", dict(sampling=dict(top_p=1.01))),
+    ("sampling.top_p", dict(sampling=dict(top_p=math.nan))),
+    ("sampling.top_k", dict(sampling=dict(top_k=-1))),
+    ("sampling.top_k", dict(sampling=dict(top_k=VOCAB + 1))),
+    ("sampling.min_p", dict(sampling=dict(min_p=-0.1))),
+    ("sampling.min_p", dict(sampling=dict(min_p=1.5))),
+    ("sampling.repetition_penalty", dict(sampling=dict(repetition_penalty=0.0))),
+    ("sampling.repetition_penalty", dict(sampling=dict(repetition_penalty=-1.0))),
+    ("sampling.repetition_penalty", dict(sampling=dict(repetition_penalty=11.0))),
+    ("sampling.presence_penalty", dict(sampling=dict(presence_penalty=2.5))),
+    ("sampling.presence_penalty", dict(sampling=dict(presence_penalty=-2.5))),
+    ("sampling.frequency_penalty", dict(sampling=dict(frequency_penalty=-3.0))),
+    ("sampling.frequency_penalty", dict(sampling=dict(frequency_penalty=math.nan))),
+    ("sampling.seed", dict(sampling=dict(seed=-1))),
+    ("stopping.max_new_tokens", dict(stopping=dict(max_new_tokens=0))),
+    ("stopping.max_new_tokens", dict(stopping=dict(max_new_tokens=-5))),
+    ("stopping.max_new_tokens", dict(stopping=dict(max_new_tokens=N_CTX))),
+    ("stopping.max_new_tokens", dict(stopping=dict(max_new_tokens=10_000))),
+    ("stopping.min_new_tokens", dict(stopping=dict(max_new_tokens=4, min_new_tokens=5))),
+    ("stopping.min_new_tokens", dict(stopping=dict(min_new_tokens=-1))),
+    ("stopping.stop", dict(stopping=dict(stop=[f"s{i}" for i in range(17)]))),
+    ("stopping.stop[1]", dict(stopping=dict(stop=["ok", ""]))),
+    ("stopping.stop[0]", dict(stopping=dict(stop=["x" * 257]))),
+    ("stopping.stop_token_ids[1]", dict(stopping=dict(stop_token_ids=[3, VOCAB]))),
+    ("stopping.stop_token_ids[0]", dict(stopping=dict(stop_token_ids=[-1]))),
+    ("n", dict(n=0)),
+    ("n", dict(n=17)),
+    ("n", dict(n=9)),  # more than this engine's max_running (8)
+    ("top_logprobs", dict(top_logprobs=-1)),
+    ("top_logprobs", dict(top_logprobs=21)),
+    ("prompt", dict(prompt=[])),
+    ("prompt_token_ids[2]", dict(prompt=[1, 2, VOCAB])),
+    ("prompt_token_ids[0]", dict(prompt=[-1, 2])),
+    ("prompt_token_ids[1]", dict(prompt=[1, 2.0])),
+    ("prompt", dict(prompt=[1] * 120, stopping=dict(max_new_tokens=9))),
+    ("prompt", dict(prompt=[1] * N_CTX, stopping=dict(max_new_tokens=1))),
 ]
 
 
 @pytest.mark.parametrize("field,req", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
 def test_invalid_parameter_names_its_field(engine, field, req):
     with pytest.raises(InvalidRequest) as e:
-        engine.add(engine.new_request(req))
+        engine.add(engine.new_request(request(**req)))
     assert e.value.field == field
     assert isinstance(e.value, ValueError) and field in str(e.value)
     check_idle(engine)
@@ -135,3 +138,22 @@ def test_a_refused_request_does_not_disturb_the_engine(engine, make_engine):
         engine.add(engine.new_request(request(sampling=dict(top_p=0.0))))
     run = drive(engine)
     assert not run.errors and len(run.tokens("ok")) == 7  # the first token came from the step above
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(temperature=150.0), "sampling.temperature: 150.0 is outside [0.0, 100.0]"),
+    (dict(top_p=0.0), "sampling.top_p: 0.0 is outside (0.0, 1.0]"),
+    (dict(top_k=-3), "sampling.top_k: -3 is outside [0, inf)"),
+    (dict(temperature=math.nan), "sampling.temperature: nan is not a finite number"),
+    (dict(seed=2**64), "sampling.seed: 18446744073709551616 is outside [0, 18446744073709551615]"),
+])
+def test_range_errors_state_the_allowed_range(values, message):
+    with pytest.raises(InvalidRequest) as e:
+        build(SamplingParams, "sampling", values)
+    assert str(e.value) == message
+
+
+def test_unknown_parameter_is_named():
+    with pytest.raises(InvalidRequest) as e:
+        build(StoppingCriteria, "stopping", dict(max_tokens=3))
+    assert e.value.field == "stopping.max_tokens"

@@ -28,7 +28,7 @@ def eos_prompt(engine_bundle) -> list[int]:
     from service.config import EngineConfig
     from service.engine import Engine
 
-    engine = Engine(EngineConfig(bundle=engine_bundle, max_running=64, max_batch_tokens=1024, intra_op_threads=1))
+    engine = Engine(EngineConfig(bundle=engine_bundle, max_running=64, max_batch_tokens=1024, threads=1))
     rng = np.random.default_rng(11)
     for attempt in range(20):
         reqs = [greedy(f"r{attempt}-{i}", random_prompt(rng, int(rng.integers(1, 30))), 60) for i in range(64)]

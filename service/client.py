@@ -1,0 +1,147 @@
+"""Python clients for the attnserve gRPC API: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from service.client import Client
+    with Client("localhost:50051") as c:
+        print(c.generate("ROMEO:", max_new_tokens=40, temperature=0.8, seed=1).completions[0].text)
+        for delta in c.stream("JULIET:", max_new_tokens=40):
+            print(delta, end="", flush=True)
+
+    async with AsyncClient("localhost:50051") as c:
+        response = await c.generate("ROMEO:")
+        async for delta in c.stream("ROMEO:"):
+            ...
+
+Keyword arguments are the fields of `GenerateRequest`, `SamplingParams` and `StoppingCriteria`
+(docs/api.md); left out, they take the server's defaults. Errors are raised as `grpc.RpcError`
+(`grpc.aio.AioRpcError` for the async client), whose `.code()` is the status (docs/api.md#errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+
+import grpc
+
+from attnserve.v1 import generate_pb2 as pb
+from attnserve.v1 import generate_pb2_grpc as pb_grpc
+
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+STOPPING_FIELDS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
+REQUEST_FIELDS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name) - {"prompt", "sampling", "stopping"}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20)]
+
+
+def build_request(prompt: str | Iterable[int], **fields) -> pb.GenerateRequest:
+    """A `GenerateRequest` from a text prompt (or token ids) and flat keyword fields."""
+    sampling = {k: fields.pop(k) for k in list(fields) if k in SAMPLING_FIELDS}
+    stopping = {k: fields.pop(k) for k in list(fields) if k in STOPPING_FIELDS}
+    unknown = set(fields) - REQUEST_FIELDS
+    if unknown:
+        raise TypeError(f"unknown request field(s) {sorted(unknown)}; see docs/api.md")
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    else:
+        fields["prompt_token_ids"] = list(prompt)
+    sampling = {k: v for k, v in sampling.items() if v is not None}  # None = unset = server default
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), stopping=pb.StoppingCriteria(**stopping),
+                              **{k: v for k, v in fields.items() if v is not None})
+
+
+class Client:
+    """Blocking client. `timeout_s` is each call's deadline unless a call passes its own."""
+
+    def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
+
+    def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None, **fields) -> pb.GenerateResponse:
+        """The whole result: `.completions[i].text`, `.token_ids`, `.finish_reason`, and `.usage`."""
+        return self.stub.Generate(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                  metadata=self.metadata)
+
+    def stream_responses(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                         **fields) -> Iterator[pb.GenerateStreamResponse]:
+        """Every `GenerateStreamResponse`, as it arrives. Closing the iterator cancels the request."""
+        call = self.stub.GenerateStream(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def stream(self, prompt: str | Iterable[int], **fields) -> Iterator[str]:
+        """Text deltas as they are generated (of every completion, in arrival order, when n > 1)."""
+        for msg in self.stream_responses(prompt, **fields):
+            if msg.text:
+                yield msg.text
+
+    def tokenize(self, text: str) -> pb.TokenizeResponse:
+        return self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def server_info(self) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; the same calls as `Client`, awaited (and `stream` as an async iterator)."""
+
+    def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.aio.Channel | None = None):
+        self.channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
+
+    async def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                       **fields) -> pb.GenerateResponse:
+        return await self.stub.Generate(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+
+    async def stream_responses(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                               **fields) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def stream(self, prompt: str | Iterable[int], **fields) -> AsyncIterator[str]:
+        async for msg in self.stream_responses(prompt, **fields):
+            if msg.text:
+                yield msg.text
+
+    async def tokenize(self, text: str) -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    async def server_info(self) -> pb.ServerInfo:
+        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s,
+                                             metadata=self.metadata)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
