@@ -11,6 +11,8 @@ written to the wrong place changes the tokens.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -170,3 +172,35 @@ def check_event_stream(run: Run, rid: str, index: int = 0) -> None:
     assert evs, f"no events for {rid}/{index}"
     assert all(e.finish_reason is None for e in evs[:-1])
     assert evs[-1].finish_reason is not None
+
+
+# ---- holding the engine thread at a known point --------------------------------------------------
+
+TIMEOUT = 20.0
+
+
+class Gate:
+    """Holds the engine thread inside its `at`-th decode call until released."""
+
+    def __init__(self, engine, at: int):
+        self.reached, self.opened = threading.Event(), threading.Event()
+        self.calls = 0
+        original = engine.runner.decode
+
+        def decode(ids, positions):
+            self.calls += 1
+            if self.calls == at:
+                self.reached.set()
+                self.opened.wait(TIMEOUT)
+            return original(ids, positions)
+
+        engine.runner.decode = decode
+
+    def wait_reached_sync(self) -> None:
+        assert self.reached.wait(TIMEOUT), "the engine never reached the gate"
+
+    async def wait_reached(self) -> None:
+        assert await asyncio.to_thread(self.reached.wait, TIMEOUT), "the engine never reached the gate"
+
+    def open(self) -> None:
+        self.opened.set()

@@ -8,7 +8,6 @@ at a known model call by a gate, so the outcome never depends on timing.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import numpy as np
@@ -17,9 +16,7 @@ import pytest
 from service.async_engine import AsyncEngine
 from service.errors import Cancelled, DeadlineExceeded, EngineStopped, InvalidRequest, ModelError, Overloaded
 from service.request import FinishReason, GenerationRequest, TokenEvent
-from tests.service.conftest import drive, greedy, random_prompt, sampled
-
-TIMEOUT = 20.0
+from tests.service.conftest import TIMEOUT, Gate, drive, greedy, random_prompt, sampled
 
 
 def run_async(coro, timeout: float = TIMEOUT):
@@ -32,30 +29,6 @@ async def until(condition, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.002)
 
     await asyncio.wait_for(poll(), timeout)
-
-
-class Gate:
-    """Holds the engine thread inside its `at`-th decode call until released."""
-
-    def __init__(self, engine, at: int):
-        self.reached, self.opened = threading.Event(), threading.Event()
-        self.calls = 0
-        original = engine.runner.decode
-
-        def decode(ids, positions):
-            self.calls += 1
-            if self.calls == at:
-                self.reached.set()
-                self.opened.wait(TIMEOUT)
-            return original(ids, positions)
-
-        engine.runner.decode = decode
-
-    async def wait_reached(self) -> None:
-        assert await asyncio.to_thread(self.reached.wait, TIMEOUT), "the engine never reached the gate"
-
-    def open(self) -> None:
-        self.opened.set()
 
 
 def async_engine(make_engine, **config) -> AsyncEngine:

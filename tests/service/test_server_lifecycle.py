@@ -1,0 +1,184 @@
+"""The server's life: NOT_SERVING until warm, SERVING, then a drain that lets streams finish.
+The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve.v1 import generate_pb2 as pb
+from service.client import Client, build_request
+from tests.service.conftest import Gate
+from tests.service.server_harness import ServerThread, engine_for, free_port, settings, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
+
+
+def test_not_serving_until_warm_then_serving(engine_bundle):
+    s = settings(engine_bundle, warmup=True)
+    gates = []
+    engine = engine_for(s, lambda e: gates.append(Gate(e, at=1)))  # holds the warm-up's first decode
+    with ServerThread(s, engine, start=False) as srv:
+        starting = srv.start_async()
+        gates[0].wait_reached_sync()
+        assert health(srv.address) == NOT_SERVING
+        assert health(srv.address, "attnserve.v1.TextGeneration") == NOT_SERVING
+        with Client(srv.address, timeout_s=30) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Rom.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            gates[0].open()
+            starting.result(30)
+            assert health(srv.address) == SERVING
+            assert len(c.generate("Rom.", max_new_tokens=2, ignore_eos=True).completions[0].token_ids) == 2
+
+
+def slowed(seconds: float):
+    def wrap(engine):
+        import time
+
+        original = engine.runner.decode
+
+        def decode(ids, positions):
+            time.sleep(seconds)
+            return original(ids, positions)
+
+        engine.runner.decode = decode
+    return wrap
+
+
+def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
+    s = settings(engine_bundle, warmup=False)
+    with ServerThread(s, engine_for(s, slowed(0.01))) as srv, Client(srv.address, timeout_s=60) as c:
+        call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=80, ignore_eos=True, seed=1), timeout=60)
+        first = next(call)
+        stopped = srv.drain(grace_s=30)
+        wait_until(lambda: health(srv.address) == NOT_SERVING, what="health to flip")
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("Ham.", max_new_tokens=2)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 80
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        stopped.result(30)
+
+
+def test_drain_cancels_what_outlives_the_grace_period(engine_bundle):
+    s = settings(engine_bundle, warmup=False)
+    with ServerThread(s, engine_for(s, slowed(0.02))) as srv, Client(srv.address, timeout_s=60) as c:
+        call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=120, ignore_eos=True), timeout=60)
+        next(call)
+        srv.drain(grace_s=0.1).result(30)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        engine = srv.server.engine.engine
+        assert not engine.requests and engine.kv.free_slots == engine.kv.n_slots
+
+
+SLOW_SERVER = textwrap.dedent("""
+    import sys, time
+    from service.runner import ModelRunner
+    decode = ModelRunner.decode
+    def slow(self, ids, positions):
+        time.sleep(0.01)
+        return decode(self, ids, positions)
+    ModelRunner.decode = slow
+    from service.server import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def start_process(bundle: Path, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "--bundle", str(bundle), "--port", str(port),
+                             "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens", "64", "--threads", "1",
+                             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(proc: subprocess.Popen, address: str) -> None:
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return health(address) == SERVING
+        except grpc.RpcError:
+            return False
+    wait_until(up, timeout=60, what="the server to report SERVING")
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_stream_then_exits_0(engine_bundle):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start_process(engine_bundle, port)
+    try:
+        wait_serving(proc, address)
+        with Client(address, timeout_s=60) as c:
+            call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=100, ignore_eos=True), timeout=60)
+            first = next(call)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Ham.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            rest = list(call)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 100
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 100
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "draining" in err and "stopped" in err
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sigint_on_an_idle_server_exits_0(engine_bundle):
+    port = free_port()
+    proc = start_process(engine_bundle, port, "--log-format", "json")
+    try:
+        wait_serving(proc, f"127.0.0.1:{port}")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert err.startswith("{") and '"message": "stopped"' in err
+    finally:
+        proc.kill()
+
+
+def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    code = ("import sys; from attnserve.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, "serve", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env=env)
+
+
+def test_start_up_fails_in_one_line_for_a_missing_bundle(tmp_path):
+    out = serve("--bundle", str(tmp_path / "nothing"), "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed" in errors[0] and "nothing" in errors[0]
+
+
+def test_help_lists_every_setting_with_its_default():
+    from service.config import ServerSettings
+
+    out = serve("--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for name in ServerSettings.model_fields:
+        assert "--" + name.replace("_", "-") in text
+        assert "ATTNSERVE_" + name.upper() in text
+    assert "[default: 50051;" in text and "[default: 64;" in text
