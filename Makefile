@@ -6,10 +6,11 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint generate protos train bundle bench-onnx clean
+.PHONY: help install test lint serve generate protos train bundle bench-onnx clean
 
 help:
-	@echo "make generate   sample text from the shipped default model"
+	@echo "make serve      serve the shipped default model over gRPC on localhost:50051 (metrics on :9464)"
+	@echo "make generate   sample text from the shipped default model in-process"
 	@echo "make test       run the whole test suite (sets up .venv first)"
 	@echo "make train      retrain the default model (about 30 minutes on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
@@ -29,6 +30,9 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+serve: install
+	$(BIN)/attnserve serve --bundle $(BUNDLE)
 
 generate: install
 	$(BIN)/attnserve generate "$(PROMPT)" --bundle $(BUNDLE) --max-new-tokens 120 --temperature 0.8 --top-p 0.95

@@ -114,7 +114,7 @@ async def run_local(args: argparse.Namespace) -> int:
     printer = Printer(args.prompt, max(args.n, 1))
     core = engine.engine
     try:
-        default_max_new = ServerSettings.model_fields["default_max_new_tokens"].default
+        default_max_new = min(ServerSettings.model_fields["default_max_new_tokens"].default, core.limits.max_new_tokens)
         wire = parse_request(request_of(args), core.tokenizer, core.model.n_ctx, default_max_new)
         stream = engine.submit(wire.request)
         texts, sent = TokenTexts(core.tokenizer), StreamState()

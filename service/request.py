@@ -28,7 +28,7 @@ MAX_TOP_LOGPROBS = 20
 PARAMS = ConfigDict(allow_inf_nan=False, extra="forbid")
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_new_tokens reached
     EOS = "eos"  # the model produced its end-of-sequence token
     STOP = "stop"  # a stop string or a stop token id matched
@@ -169,8 +169,7 @@ class GenerationRequest:
             if not self.truncate_prompt:
                 raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens + max_new_tokens "
                                      f"{st.max_new_tokens} exceed the model context of {n_ctx} tokens "
-                                     f"(prompt limit {limits.max_prompt_tokens}); shorten it, lower max_new_tokens, "
-                                     "or ask for truncation")
+                                     f"(prompt limit {limits.max_prompt_tokens}); shorten it or lower max_new_tokens")
             self.prompt_token_ids = self.prompt_token_ids[-room:]
 
 

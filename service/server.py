@@ -181,6 +181,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             code = status.code
             if status.is_bug:
                 log.error("%s", status.details, exc_info=e)
+            elif call.wire is None:  # refused before it reached the engine (requests that ran log in finished())
+                log.info("%s %s: %s", method, code.name, status.details)
             await context.abort(status.code, status.details, status.trailing_metadata)
         finally:
             call.finished(code)
@@ -195,8 +197,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                     else NotReady("the model is still loading; retry shortly")
             engine = self.engine
             model = engine.engine.model
-            wire = parse_request(request, engine.engine.tokenizer, model.n_ctx,
-                                 self.settings.default_max_new_tokens, self._max_prompt_chars)
+            default_max_new = min(self.settings.default_max_new_tokens, engine.engine.limits.max_new_tokens)
+            wire = parse_request(request, engine.engine.tokenizer, model.n_ctx, default_max_new,
+                                 self._max_prompt_chars)
             logs.request_id.set(wire.request_id)
             remaining = context.time_remaining()
             if remaining is not None:

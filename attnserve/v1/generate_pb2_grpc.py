@@ -74,7 +74,8 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """/ Generate token by token: one message per step per completion, with the text delta.
+        """/ Generate token by token: a message per completion as its tokens are produced, with the text delta
+        / (tokens that arrive while the client is still reading the previous message are merged into one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -180,18 +180,20 @@ TIMEOUT = 20.0
 
 
 class Gate:
-    """Holds the engine thread inside its `at`-th decode call until released."""
+    """Holds the engine thread inside its `at`-th decode call (counting only the calls whose input
+    ids satisfy `when`, if given) until released."""
 
-    def __init__(self, engine, at: int):
+    def __init__(self, engine, at: int, when: Callable[[np.ndarray], bool] | None = None):
         self.reached, self.opened = threading.Event(), threading.Event()
         self.calls = 0
         original = engine.runner.decode
 
         def decode(ids, positions):
-            self.calls += 1
-            if self.calls == at:
-                self.reached.set()
-                self.opened.wait(TIMEOUT)
+            if when is None or when(ids):
+                self.calls += 1
+                if self.calls == at:
+                    self.reached.set()
+                    self.opened.wait(TIMEOUT)
             return original(ids, positions)
 
         engine.runner.decode = decode

@@ -18,7 +18,7 @@ from model.tokenizer import Tokenizer
 from service.client import AsyncClient, Client, build_request
 from service.protocol import parse_request
 from tests.service.conftest import drive
-from tests.service.server_harness import ServerThread, free_port, settings
+from tests.service.server_harness import ServerThread, free_port, settings, wait_until
 
 PROMPTS = ["Rom.\nBut soft", "Ham.\nTo be, or not", "Mac.\nTomorrow", "It is the east"]
 
@@ -187,7 +187,14 @@ def test_metrics_endpoint(server, client):
     client.generate("Rom.", max_new_tokens=5, seed=1)
     with pytest.raises(grpc.RpcError):
         client.generate("Rom.", top_p=5.0)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read().decode()
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+
+    def scrape() -> str:
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+    # the status reaches the client just before the server counts it
+    wait_until(lambda: 'code="INVALID_ARGUMENT",method="Generate"' in scrape(), what="the refused call to be counted")
+    body = scrape()
     for name in ("attnserve_time_to_first_token_seconds_bucket", "attnserve_inter_token_latency_seconds_count",
                  "attnserve_request_duration_seconds_sum", "attnserve_queue_duration_seconds_count",
                  "attnserve_requests_running", "attnserve_requests_waiting", "attnserve_kv_cache_usage_ratio",

@@ -118,11 +118,11 @@ def test_an_oversized_message_is_refused_and_the_server_carries_on(client):
 def test_overload_is_resource_exhausted_with_a_retry_hint(engine_bundle):
     s = settings(engine_bundle, max_running=2, max_waiting=1, max_batch_tokens=64, warmup=False)
     gates = []
-    engine = engine_for(s, lambda e: gates.append(Gate(e, at=1)))
+    engine = engine_for(s, lambda e: gates.append(Gate(e, at=1, when=lambda ids: len(ids) == 2)))
     with ServerThread(s, engine) as srv, Client(srv.address, timeout_s=60) as c:
         long = dict(max_new_tokens=40, ignore_eos=True, seed=1)
         running = [c.stub.Generate.future(build_request("Rom.", **long)) for _ in range(2)]
-        gates[0].wait_reached_sync()  # both hold a slot; the engine is held mid-step
+        gates[0].wait_reached_sync()  # both hold a slot: the engine is held decoding the two of them
         queued = c.stub.Generate.future(build_request("Ham.", **long))
         wait_until(lambda: c.server_info().requests_waiting == 1, what="the third request to queue")
         with pytest.raises(grpc.RpcError) as e:
