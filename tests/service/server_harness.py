@@ -39,6 +39,20 @@ def engine_for(s: ServerSettings, wrap: Callable[[Engine], None] | None = None) 
     return AsyncEngine(s.engine_config(), engine=engine)
 
 
+def slowed(seconds: float) -> Callable[[Engine], None]:
+    """For `engine_for`: each decode step takes at least `seconds`, so a deadline, a cancel or a
+    signal lands while a request is generating."""
+    def wrap(engine: Engine) -> None:
+        original = engine.runner.decode
+
+        def decode(ids, positions):
+            time.sleep(seconds)
+            return original(ids, positions)
+
+        engine.runner.decode = decode
+    return wrap
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import grpc
 import pytest
@@ -18,7 +17,7 @@ from attnserve.v1 import generate_pb2 as pb
 from service.client import Client, build_request
 from service.status import RETRY_AFTER_KEY
 from tests.service.conftest import Gate
-from tests.service.server_harness import ServerThread, engine_for, settings, wait_until
+from tests.service.server_harness import ServerThread, engine_for, settings, slowed, wait_until
 
 CODE = grpc.StatusCode
 
@@ -33,19 +32,6 @@ def server(engine_bundle):
 def client(server):
     with Client(server.address, timeout_s=60) as c:
         yield c
-
-
-def slowed(seconds: float):
-    """Wrap an engine's decode so that each step takes at least `seconds`."""
-    def wrap(engine):
-        original = engine.runner.decode
-
-        def decode(ids, positions):
-            time.sleep(seconds)
-            return original(ids, positions)
-
-        engine.runner.decode = decode
-    return wrap
 
 
 def all_free(client: Client) -> bool:

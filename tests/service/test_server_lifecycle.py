@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnserve.v1 import generate_pb2 as pb
 from service.client import Client, build_request
 from tests.service.conftest import Gate
-from tests.service.server_harness import ServerThread, engine_for, free_port, settings, wait_until
+from tests.service.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -45,20 +45,6 @@ def test_not_serving_until_warm_then_serving(engine_bundle):
             starting.result(30)
             assert health(srv.address) == SERVING
             assert len(c.generate("Rom.", max_new_tokens=2, ignore_eos=True).completions[0].token_ids) == 2
-
-
-def slowed(seconds: float):
-    def wrap(engine):
-        import time
-
-        original = engine.runner.decode
-
-        def decode(ids, positions):
-            time.sleep(seconds)
-            return original(ids, positions)
-
-        engine.runner.decode = decode
-    return wrap
 
 
 def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
