@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
+    "health": ("service.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
     "generate": ("service.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),

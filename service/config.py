@@ -30,7 +30,8 @@ class EngineConfig(BaseModel):
     bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
     graph: str | None = Field(None, description="graph variant; unset = the bundle's serving default")
     providers: Literal["auto", "cpu", "cuda"] = Field(
-        "cpu", description="onnxruntime execution provider; the serving graph's in-place KV cache runs on cpu")
+        "cpu", description="onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); "
+                           "off the CPU the graph must reproduce the CPU at start-up")
     threads: int = Field(0, ge=0, description="onnxruntime threads per operator; 0 = one per core")
     max_running: int = Field(64, ge=1, description="sequences decoded together (KV cache slots)")
     max_waiting: int = Field(256, ge=0, description="requests queued beyond max_running; more get RESOURCE_EXHAUSTED")

@@ -28,15 +28,15 @@ class ModelRunner:
         g = open_graph(bundle_dir, graph, "static", provider, intra_op_threads, inter_op_threads)
         self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
         self.tokenizer, self.session = g.tokenizer, g.session
-        if self.session.get_providers()[0] != "CPUExecutionProvider":
-            raise BundleError("the static-cache runner binds its KV cache in host memory and runs on the CPU "
-                              "execution provider only; use provider 'cpu'")
         m = self.manifest.model
         self.vocab_size = m.vocab_size
         self.cache_shape = CacheShape(m.n_layer, m.n_head, m.d_head, m.n_ctx, self.spec.dtype)
         self.kv: KVCache | None = None
         inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
         self._past_names, self._present_names = inputs[4:], outputs[1:]
+        self.provider = self.session.get_providers()[0]
+        if self.provider != "CPUExecutionProvider":
+            check_against_cpu(self)
 
     def attach(self, kv: KVCache) -> None:
         """Use `kv` as the cache; decode buffers are sized for all of its slots, once."""
@@ -107,3 +107,41 @@ class ModelRunner:
         self._bind_cache(binding, first, len(ids))
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
+
+
+CHECK_PROMPTS = ([5, 17, 3, 9, 2], [11, 4])  # two rows of different lengths
+CHECK_STEPS = 3
+CHECK_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
+
+
+def check_against_cpu(runner: ModelRunner) -> None:
+    """Refuse a non-CPU provider unless it reproduces the CPU on a short prefill and decode.
+
+    The KV cache is bound in host memory and updated in place by the attention node; on another
+    provider that holds only if onnxruntime places the attention node where it can write the
+    bound buffers. Rather than trust the placement, compare logits with a CPU session of the same
+    graph at start-up (a few milliseconds), and raise `BundleError` with the difference if they part.
+    """
+    cpu = ModelRunner(runner.bundle_dir, runner.graph_name, provider="cpu")
+    vocab = runner.vocab_size
+    prompts = [[t % vocab for t in p] for p in CHECK_PROMPTS]
+    got, want = _trace(runner, prompts), _trace(cpu, prompts)
+    runner.kv = None
+    scale = max(float(np.abs(want).max()), 1.0)
+    diff = float(np.abs(got - want).max()) if got.shape == want.shape else float("inf")
+    if not diff <= CHECK_TOLERANCE * scale:
+        raise BundleError(f"graph {runner.graph_name!r} on {runner.provider} does not reproduce the CPU "
+                          f"(largest logit difference {diff:.3g}, allowed {CHECK_TOLERANCE * scale:.3g}); "
+                          "serve it with provider 'cpu'")
+
+
+def _trace(runner: ModelRunner, prompts: list[list[int]]) -> np.ndarray:
+    """Logits of a batched prefill and CHECK_STEPS greedy decode steps, on a fresh 2-slot cache."""
+    runner.attach(KVCache(runner.cache_shape, len(prompts)))
+    rows = [runner.prefill_batch(0, prompts)]
+    lengths = np.array([len(p) for p in prompts])
+    for _ in range(CHECK_STEPS):
+        ids = rows[-1].argmax(-1)
+        rows.append(runner.decode(ids, lengths).copy())
+        lengths = lengths + 1
+    return np.stack(rows)

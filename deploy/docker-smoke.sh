@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Build the CPU image, run it, and check it end to end from the host:
+#   1. use the Docker engine at $DOCKER_HOST, or start a private one (installing docker.io if needed)
+#   2. use BASE_IMAGE if set; else python:3.11-slim if it can be pulled; else a local Debian bookworm
+#      base with Python 3.11 (mmdebstrap, cached in ~/.cache/attnserve/)
+#   3. build the image offline from a host wheelhouse (deploy/build-wheelhouse.sh)
+#   4. run it (host network, loopback) and wait for the gRPC health service to say SERVING, and for
+#      Docker's HEALTHCHECK to say healthy
+#   5. generate text over gRPC from the host
+#   6. stop it with SIGTERM and check that it exited 0 after draining
+#   7. print the image size
+#   8. remove what it started: the container, the image, and the private engine (by pid)
+# Exit status: 0 passed, 1 failed, 77 no Docker engine could be started here (one loud line says so).
+#   deploy/docker-smoke.sh                 env: PYTHON (host python with attnserve), KEEP_IMAGE=1, BASE_IMAGE
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+TAG=attnserve:smoke-$$
+NAME=attnserve-smoke-$$
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/attnserve
+WORK=$(mktemp -d /tmp/attnserve-smoke.XXXXXX)
+DOCKERD_PID=
+CONTAINER=
+
+say() { printf '[docker-smoke] %s\n' "$*" >&2; }
+skip() { printf '\n[docker-smoke] SKIPPED: NO DOCKER ENGINE COULD BE STARTED HERE (%s)\n\n' "$*" >&2; exit 77; }
+
+cleanup() {
+    set +e
+    if [ -n "$CONTAINER" ]; then docker rm -f "$CONTAINER" >/dev/null 2>&1; fi
+    if [ -z "${KEEP_IMAGE:-}" ]; then docker rmi -f "$TAG" >/dev/null 2>&1; fi
+    if [ -n "$DOCKERD_PID" ]; then
+        kill "$DOCKERD_PID" 2>/dev/null
+        for _ in $(seq 50); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -9 "$DOCKERD_PID" 2>/dev/null
+        say "stopped the private Docker engine (pid $DOCKERD_PID)"
+    fi
+    # the private engine's data root holds vfs layers owned by root; remove them whole
+    rm -rf "$WORK" 2>/dev/null
+}
+trap cleanup EXIT
+
+# ---- 1. an engine --------------------------------------------------------------------------------
+start_engine() {
+    if ! command -v dockerd >/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            say "installing docker.io"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null 2>&1 ||
+                skip "apt-get install docker.io failed"
+        else
+            skip "dockerd is not installed and cannot be installed without root and apt-get"
+        fi
+    fi
+    [ "$(id -u)" = 0 ] || skip "starting dockerd needs root"
+    mkdir -p "$WORK/data" "$WORK/exec"
+    dockerd --iptables=false --ip6tables=false --bridge=none --storage-driver=vfs \
+        --data-root="$WORK/data" --exec-root="$WORK/exec" -H "unix://$WORK/docker.sock" \
+        --pidfile="$WORK/dockerd.pid" >"$WORK/dockerd.log" 2>&1 &
+    DOCKERD_PID=$!
+    export DOCKER_HOST="unix://$WORK/docker.sock"
+    for _ in $(seq 100); do
+        docker info >/dev/null 2>&1 && { say "started a private Docker engine (pid $DOCKERD_PID)"; return; }
+        kill -0 "$DOCKERD_PID" 2>/dev/null || break
+        sleep 0.3
+    done
+    tail -5 "$WORK/dockerd.log" >&2
+    skip "dockerd did not start"
+}
+command -v docker >/dev/null || skip "no docker client"
+if docker info >/dev/null 2>&1; then say "using the running Docker engine"; else start_engine; fi
+
+# ---- 2. a base image -----------------------------------------------------------------------------
+local_base() {
+    local image=local/python:3.11
+    if docker image inspect "$image" >/dev/null 2>&1; then echo "$image"; return; fi
+    mkdir -p "$CACHE"
+    if [ ! -s "$CACHE/bookworm-python3.tar" ]; then
+        command -v mmdebstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null 2>&1 ||
+            { say "FAILED: mmdebstrap is missing and cannot be installed"; exit 1; }
+        say "building a Debian bookworm base with Python 3.11 (mmdebstrap; cached in $CACHE)"
+        # merged /usr by hook (not the usrmerge package, which pulls in perl); no docs, man pages or locales
+        mmdebstrap --quiet --format=tar --variant=minbase --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+            --include=python3,python3-venv,ca-certificates \
+            --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+            --dpkgopt='path-exclude=/usr/share/info/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+            --dpkgopt='path-include=/usr/share/locale/locale.alias' \
+            bookworm "$CACHE/bookworm-python3.tar.partial" >"$WORK/mmdebstrap.log" 2>&1 ||
+            { tail -20 "$WORK/mmdebstrap.log" >&2; return 1; }
+        mv "$CACHE/bookworm-python3.tar.partial" "$CACHE/bookworm-python3.tar"
+    fi
+    docker import "$CACHE/bookworm-python3.tar" "$image" >/dev/null || return 1
+    echo "$image"
+}
+if [ -z "${BASE_IMAGE:-}" ]; then
+    if timeout 30 docker pull -q python:3.11-slim >/dev/null 2>&1; then BASE_IMAGE=python:3.11-slim
+    else
+        say "python:3.11-slim cannot be pulled; using a local base"
+        BASE_IMAGE=$(local_base) || { say "FAILED: no local base image"; exit 1; }
+    fi
+fi
+say "base image: $BASE_IMAGE"
+
+# ---- 3. build ------------------------------------------------------------------------------------
+PYTHON=$PYTHON deploy/build-wheelhouse.sh >&2
+start=$(date +%s)
+docker build --network=host --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$TAG" . >"$WORK/build.log" 2>&1 ||
+    { tail -30 "$WORK/build.log" >&2; say "FAILED: docker build"; exit 1; }
+say "built $TAG in $(( $(date +%s) - start )) s"
+
+# ---- 4. run and wait for SERVING -----------------------------------------------------------------
+port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mport=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# read-only root file system, as deploy/k8s runs it
+CONTAINER=$(docker run -d --network=host --read-only --tmpfs /tmp --name "$NAME" -e ATTNSERVE_HOST=127.0.0.1 \
+    -e ATTNSERVE_PORT="$port" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
+address=127.0.0.1:$port
+for i in $(seq 120); do
+    if "$PYTHON" -m service.health_probe --address "$address" >/dev/null 2>&1; then break; fi
+    if [ "$(docker inspect -f '{{.State.Running}}' "$CONTAINER")" != true ]; then
+        docker logs "$CONTAINER" >&2; say "FAILED: the container exited before SERVING"; exit 1
+    fi
+    [ "$i" = 120 ] && { docker logs "$CONTAINER" >&2; say "FAILED: not SERVING after 60 s"; exit 1; }
+    sleep 0.5
+done
+say "health: $("$PYTHON" -m service.health_probe --address "$address")"
+for i in $(seq 90); do
+    status=$(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER")
+    [ "$status" = healthy ] && break
+    [ "$i" = 90 ] && { say "FAILED: Docker HEALTHCHECK still '$status' after 90 s"; exit 1; }
+    sleep 1
+done
+say "docker HEALTHCHECK: $status; user in the container: $(docker exec "$CONTAINER" id -u)"
+[ "$(docker exec "$CONTAINER" id -u)" != 0 ] || { say "FAILED: the container runs as root"; exit 1; }
+if docker exec "$CONTAINER" python3 -c 'import torch' 2>/dev/null; then say "FAILED: torch is in the image"; exit 1; fi
+
+# ---- 5. generate over gRPC from the host ---------------------------------------------------------
+text=$("$PYTHON" -m attnserve generate "ROMEO:" --server "$address" --stream --max-new-tokens 60 \
+    --temperature 0.8 --seed 1 --timeout 60)
+printf '%s\n' "--- generated over gRPC from the container:" "$text" "---"
+[ ${#text} -gt 10 ] || { say "FAILED: no text generated"; exit 1; }
+curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^attnserve_generated_tokens_total' ||
+    { say "FAILED: no metrics on :$mport"; exit 1; }
+
+# ---- 6. SIGTERM: drain and exit 0 ----------------------------------------------------------------
+docker stop --time 30 "$CONTAINER" >/dev/null
+code=$(docker inspect -f '{{.State.ExitCode}}' "$CONTAINER")
+docker logs "$CONTAINER" 2>&1 | grep -q '"message": "stopped"' || { docker logs "$CONTAINER" >&2; say "FAILED: no drain"; exit 1; }
+[ "$code" = 0 ] || { docker logs "$CONTAINER" >&2; say "FAILED: exit code $code after SIGTERM"; exit 1; }
+say "SIGTERM: drained and exited 0"
+
+# ---- 7. size -------------------------------------------------------------------------------------
+size=$(docker image inspect -f '{{.Size}}' "$TAG")
+say "image size: $(( size / 1000000 )) MB ($size bytes; base $BASE_IMAGE)"
+say "PASSED"
