@@ -11,7 +11,8 @@
 #   7. print the image size
 #   8. remove what it started: the container, the image, and the private engine (by pid)
 # Exit status: 0 passed, 1 failed, 77 no Docker engine could be started here (one loud line says so).
-#   deploy/docker-smoke.sh                 env: PYTHON (host python with attnserve), KEEP_IMAGE=1, BASE_IMAGE
+#   deploy/docker-smoke.sh      env: PYTHON (host python with attnserve), KEEP_IMAGE=1, BASE_IMAGE,
+#                               VARIANT=gpu (the GPU variant on this base: onnxruntime-gpu, run on the CPU here)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -102,9 +103,11 @@ fi
 say "base image: $BASE_IMAGE"
 
 # ---- 3. build ------------------------------------------------------------------------------------
-PYTHON=$PYTHON deploy/build-wheelhouse.sh >&2
+VARIANT=${VARIANT:-cpu}
+PYTHON=$PYTHON deploy/build-wheelhouse.sh "$VARIANT" >&2
 start=$(date +%s)
-docker build --network=host --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$TAG" . >"$WORK/build.log" 2>&1 ||
+docker build --network=host --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg VARIANT="$VARIANT" -t "$TAG" . \
+    >"$WORK/build.log" 2>&1 ||
     { tail -30 "$WORK/build.log" >&2; say "FAILED: docker build"; exit 1; }
 say "built $TAG in $(( $(date +%s) - start )) s"
 
@@ -151,5 +154,5 @@ say "SIGTERM: drained and exited 0"
 
 # ---- 7. size -------------------------------------------------------------------------------------
 size=$(docker image inspect -f '{{.Size}}' "$TAG")
-say "image size: $(( size / 1000000 )) MB ($size bytes; base $BASE_IMAGE)"
+say "image size: $(( size / 1000000 )) MB ($size bytes; $VARIANT variant, base $BASE_IMAGE)"
 say "PASSED"

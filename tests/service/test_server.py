@@ -218,3 +218,12 @@ def test_cli_generate_against_the_server(server, client):
     bad = subprocess.run([sys.executable, "-m", "attnserve", "generate", "Rom.", "--top-p", "3", "--server",
                           server.address], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "sampling.top_p" in bad.stderr
+
+
+def test_health_probe_command(server):
+    ok = subprocess.run([sys.executable, "-m", "attnserve", "health", "--address", server.address],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout
+    down = subprocess.run([sys.executable, "-m", "attnserve", "health", "--address", f"127.0.0.1:{free_port()}",
+                           "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
