@@ -130,14 +130,14 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                     yield msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        async with self._unary(context, "Tokenize"):
+        async with self._rpc(context, "Tokenize"):
             tokenizer = self._ready().engine.tokenizer
             ids = await asyncio.to_thread(tokenizer.encode, request.text) if len(request.text) > 65536 else \
                 tokenizer.encode(request.text)
             return pb.TokenizeResponse(token_ids=ids, tokens=[self._texts(i) for i in ids])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        async with self._unary(context, "GetModelInfo"):
+        async with self._rpc(context, "GetModelInfo"):
             engine = self._ready().engine
             m, runner = engine.model, engine.runner
             return pb.ModelInfo(name=m.name, vocab_size=m.vocab_size, context_tokens=m.n_ctx,
@@ -145,7 +145,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                                 provider=runner.session.get_providers()[0], graph=runner.graph_name)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
-        async with self._unary(context, "GetServerInfo"):
+        async with self._rpc(context, "GetServerInfo"):
             info = pb.ServerInfo(uptime_seconds=time.monotonic() - self.started, version=__version__)
             if self.engine is not None:
                 s = self.engine.stats()
@@ -162,7 +162,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return self.engine
 
     @contextlib.asynccontextmanager
-    async def _unary(self, context, method: str):
+    async def _rpc(self, context, method: str):
+        """Every RPC runs inside this: request id for the logs, status accounting, errors to status codes."""
         logs.request_id.set("-")
         call = Call(self, method)
         code = grpc.StatusCode.OK
@@ -190,7 +191,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     @contextlib.asynccontextmanager
     async def _generation(self, request: pb.GenerateRequest, context, method: str):
         """Validate, submit, and hand the stream to the RPC body; always frees the request's slots."""
-        async with self._unary(context, method) as call:
+        async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
             if not self.accepting:
                 raise EngineStopped("the server is draining; retry on another replica") if self.engine \
