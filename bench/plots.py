@@ -1,0 +1,85 @@
+"""PNG plots for the benchmark results (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _cdf(ax, samples_s: list[float], label: str) -> None:
+    if not samples_s:
+        return
+    x = np.sort(np.asarray(samples_s) * 1e3)
+    ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
+
+
+def serve_plots(result: dict, out: Path, name: str) -> list[Path]:
+    """`<name>-throughput.png` (tokens/s and req/s against streams) and `<name>-latency.png`
+    (TTFT and inter-token latency distributions, one curve per concurrency)."""
+    levels = result["levels"]
+    c = [lv["concurrency"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(c, [lv["tokens_per_s"] for lv in levels], "o-", label="generated tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(c, [str(x) for x in c])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(c, [lv["requests_per_s"] for lv in levels], "s--", color="tab:orange", label="requests/s")
+    ax2.set_ylabel("requests/s")
+    ax.set_title(f"attnserve over gRPC: throughput ({result['workload']} workload)")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = [out / f"{name}-throughput.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for lv in levels:
+        _cdf(a, lv["ttft_samples_s"], f"{lv['concurrency']} streams")
+        _cdf(b, lv["itl_samples_s"], f"{lv['concurrency']} streams")
+    a.set_xscale("log")
+    b.set_xscale("log")
+    a.set_title("time to first token")
+    b.set_title("inter-token latency")
+    for ax in (a, b):
+        ax.set_xlabel("ms (log scale)")
+        ax.set_ylabel("fraction of samples ≤ x")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    paths.append(out / f"{name}-latency.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def compare_plot(rows: list[dict], out: Path) -> Path:
+    """Tokens/s of every system at each batch size / concurrency, grouped bars."""
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = np.arange(len(batches))
+    for i, system in enumerate(systems):
+        values = [next((r["tokens_per_s"] for r in rows if r["system"] == system and r["batch"] == b), 0)
+                  for b in batches]
+        ax.bar(x + (i - (len(systems) - 1) / 2) * width, values, width, label=system)
+    ax.set_xticks(x, [str(b) for b in batches])
+    ax.set_xlabel("batch size / concurrent streams")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("Same weights, same prompts, same run")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = out / "compare.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
