@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
         engine = Engine(config)
         flops_per_token = 2 * matmul_params(engine.runner.manifest)
+        engine.warm_up()
         throughput(engine, 2, args.prompt_tokens, 8, seed=99)  # warm-up
         for c in levels:
             runs = [throughput(engine, c, args.prompt_tokens, args.new_tokens, seed=r) for r in range(args.repeats)]

@@ -86,6 +86,9 @@ async def drive(address: str, plan: list[list[workload.Item]], timeout_s: float 
                     async for msg in stub.GenerateStream(request, timeout=timeout_s):
                         n = len(msg.token_ids)
                         record.arrived(time.perf_counter(), n)
+                        if msg.HasField("usage"):
+                            record.server_ttft = msg.usage.ttft_ms / 1e3
+                            record.server_queue = msg.usage.queue_ms / 1e3
                         if c == 0 and i == 0 and stagger:
                             received += n
                             for j in range(1, clients):
@@ -143,6 +146,8 @@ def line(level: Level) -> str:
     errors = ", ".join(f"{k} {v}" for k, v in s.errors.items()) or "none"
     return (f"concurrency {level.concurrency:>3}: {s.tokens_per_s:8.0f} tok/s {s.requests_per_s:6.1f} req/s  "
             f"TTFT p50/p99 {s.ttft_s['p50'] * 1e3:6.1f}/{s.ttft_s['p99'] * 1e3:6.1f} ms  "
+            f"(server {s.server_ttft_s['p50'] * 1e3:.1f}/{s.server_ttft_s['p99'] * 1e3:.1f}, queue "
+            f"{s.server_queue_s['p50'] * 1e3:.1f}/{s.server_queue_s['p99'] * 1e3:.1f})  "
             f"ITL p50/p99 {s.itl_s['p50'] * 1e3:5.2f}/{s.itl_s['p99'] * 1e3:5.2f} ms  "
             f"e2e p50/p99 {s.e2e_s['p50']:.2f}/{s.e2e_s['p99']:.2f} s  errors: {errors}"
             + (f"  SHORT: {s.short}" if s.short else ""))

@@ -45,6 +45,8 @@ class RequestRecord:
     code: str = "OK"  # the gRPC status code name it ended with
     expected_tokens: int | None = None  # what the request asked for, when known exactly
     client: int = 0  # which of the concurrent clients sent it
+    server_ttft: float | None = None  # the server's own account (usage.ttft_ms), when it sent one
+    server_queue: float | None = None  # time in the server's queue (usage.queue_ms)
 
     def arrived(self, when: float, tokens: int) -> None:
         self.arrivals.append((when, tokens))
@@ -101,6 +103,8 @@ class Summary:
     itl_s: dict[str, float]
     tpot_s: dict[str, float]
     e2e_s: dict[str, float]
+    server_ttft_s: dict[str, float]  # TTFT as the server measured it (arrival to first token)
+    server_queue_s: dict[str, float]
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -152,4 +156,6 @@ def summarize(records: Sequence[RequestRecord]) -> Summary:
         overall_requests_per_s=len(ok) / duration if duration > 0 else math.nan,
         ttft_s=describe(ttfts), itl_s=describe(itls, (50, 90, 99)), tpot_s=describe(tpots),
         e2e_s=describe([r.e2e for r in ok]),
+        server_ttft_s=describe([r.server_ttft for r in ok if r.server_ttft is not None]),
+        server_queue_s=describe([r.server_queue for r in ok if r.server_queue is not None]),
     )

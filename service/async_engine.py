@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 
 from service.config import EngineConfig
@@ -47,14 +48,25 @@ class RequestStream:
         self._arrived = asyncio.Event()
         self._open = state.request.n  # sequences not finished yet
         self.finished = False
+        self._min_events = 1  # wake the consumer once this many events are queued ...
+        self._max_delay_s = 0.0  # ... or the oldest queued one has waited this long
 
     @property
     def request_id(self) -> str:
         return self.state.id
 
-    def _put(self, item: TokenEvent | EngineError | None) -> None:
+    def _put(self, item: TokenEvent | EngineError | None, now: float) -> None:
         self._items.append(item)
-        self._arrived.set()
+        if self._ready(now):
+            self._arrived.set()
+
+    def _ready(self, now: float) -> bool:
+        items = self._items
+        if not items:
+            return False
+        last = items[-1]
+        return (len(items) >= self._min_events or not isinstance(last, TokenEvent) or last.finish_reason is not None
+                or now - items[0].time >= self._max_delay_s)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -62,6 +74,7 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
+        self._min_events = 1
         await self._wait()
         item = self._items.popleft()
         if isinstance(item, EngineError):
@@ -73,11 +86,16 @@ class RequestStream:
         self._count(item)
         return item
 
-    async def next_batch(self) -> list[TokenEvent]:
+    async def next_batch(self, min_events: int = 1, max_delay_s: float = 0.0) -> list[TokenEvent]:
         """Every event that has arrived, waiting for at least one; [] once the request has ended.
-        An error is raised after the events that came before it have been returned."""
+        An error is raised after the events that came before it have been returned.
+
+        With `min_events` > 1 it waits until that many events are queued, the request ends, or the
+        oldest queued event is `max_delay_s` old (checked as each event arrives, so it can be late
+        by one engine step): fewer, larger batches for a consumer that pays per batch."""
         if self.finished:
             return []
+        self._min_events, self._max_delay_s = min_events, max_delay_s
         await self._wait()
         events: list[TokenEvent] = []
         while self._items and isinstance(self._items[0], TokenEvent):
@@ -95,7 +113,7 @@ class RequestStream:
         return []
 
     async def _wait(self) -> None:
-        while not self._items:
+        while not self._ready(time.monotonic()):
             self._arrived.clear()
             try:
                 await self._arrived.wait()
@@ -168,6 +186,11 @@ class AsyncEngine:
         return dataclasses.replace(self._stats, waiting_requests=self._stats.waiting_requests + self._queued)
 
     @property
+    def running_sequences(self) -> int:
+        """Sequences holding a KV slot after the latest step (cheaper than `stats()`)."""
+        return self._stats.running_sequences
+
+    @property
     def in_flight(self) -> int:
         """Requests submitted and not yet ended."""
         return len(self._streams)
@@ -205,7 +228,7 @@ class AsyncEngine:
             try:
                 out += engine.expire()
                 if engine.has_work:
-                    out += engine.step()
+                    out += engine.step(emit=self._deliver)
             except Exception as e:  # a bug, not a model fault: fail what is in flight, keep the thread alive
                 log.exception("engine step failed")
                 for state in list(engine.requests.values()):
@@ -220,7 +243,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._dispatch, out)
 
     def _dispatch(self, out: list[Output]) -> None:
+        now = time.monotonic()
         for state, item in out:
             stream = self._streams.get(state.id)
             if stream is not None and stream.state is state:
-                stream._put(item)
+                stream._put(item, now)

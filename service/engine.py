@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,15 @@ class Engine:
         self.steps = 0
         log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once", n_slots,
                  self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes)
+
+    def warm_up(self) -> None:
+        """Run the model at every decode batch size it will see (before any request is added)."""
+        if self.requests:
+            raise RuntimeError("warm_up() must run before requests are added")
+        started = time.perf_counter()
+        self.runner.warm_up(self.scheduler.max_running)
+        log.info("warmed up decode at batch sizes 1-%d in %.1f s", self.scheduler.max_running,
+                 time.perf_counter() - started)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -145,12 +155,35 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self) -> list[Output]:
+    def step(self, emit: Callable[[list[Output]], None] | None = None) -> list[Output]:
+        """Run one step; returns its outputs. New prompts are prefilled before the decode rows run,
+        and with `emit` their first tokens are handed to it then, before the decode rows' tokens,
+        so a request's first token does not wait for the rest of the batch."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        out: list[Output] = []
+        fresh = sched.prefill if sched.prefill is not None and sched.prefill.start == 0 else None
+        if fresh is not None:  # new prompts in new slots (>= the decode rows'): independent of them
+            ran = self._run(sched, lambda: self._prefill(fresh))
+            if isinstance(ran, list):
+                return ran
+            out += self._sample_and_append(*ran)
+            if emit is not None and out:
+                emit(out)
+                out = []
+        if sched.decode or (sched.prefill is not None and fresh is None):
+            ran = self._run(sched, lambda: self._execute(sched.decode, None if fresh else sched.prefill))
+            if isinstance(ran, list):
+                return out + ran
+            out += self._sample_and_append(*ran)
+        self.steps += 1
+        return out
+
+    def _run(self, sched: SchedulerOutput, run: Callable[[], tuple[list[Sequence], np.ndarray]]):
+        """`run()`, or, if the model raises, the failure of every request in this step (a list)."""
         try:
-            seqs, logits = self._execute(sched)
+            return run()
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("model step failed")
             hit = {s.request.id: s.request for s in sched.decode}
@@ -158,9 +191,11 @@ class Engine:
                 hit.update((s.request.id, s.request) for s in sched.prefill.seqs)
             out: list[Output] = []
             for state in hit.values():
-                out += self.end(state, ModelError(f"model step failed: {type(e).__name__}: {e}"))
+                if not state.done:
+                    out += self.end(state, ModelError(f"model step failed: {type(e).__name__}: {e}"))
             return out
-        self.steps += 1
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: np.ndarray) -> list[Output]:
         if not seqs:
             return []
         top_n = max(s.request.request.top_logprobs for s in seqs)
@@ -177,37 +212,36 @@ class Engine:
         self._count(len(seqs))
         return out
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], np.ndarray]:
-        """Run decode (slots [0, n)) then prefill; returns the sequences to sample and their logits."""
+    def _execute(self, decode: list[Sequence], prefill: PrefillWork | None) -> tuple[list[Sequence], np.ndarray]:
+        """Run decode (slots [0, n)) then the rest of a chunked prompt; returns the sequences to sample
+        and their logits."""
         seqs: list[Sequence] = []
         rows: list[np.ndarray] = []
-        if sched.decode:
-            n = len(sched.decode)
+        if decode:
+            n = len(decode)
             # Decoding rows write their pending token at their length; a prompt part-way through
             # chunked prefill writes a throwaway token where its next chunk starts (and overwrites it).
             pos = self.kv.lengths[:n].copy()
             logits = self.runner.decode(self.kv.pending[:n], pos)
             self.kv.lengths[:n] += 1
-            live = [i for i, s in enumerate(sched.decode) if s.status is Status.DECODING]
+            live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
             if len(live) == n:
-                seqs += sched.decode
+                seqs += decode
                 rows.append(logits)
             else:
-                seqs += [sched.decode[i] for i in live]
+                seqs += [decode[i] for i in live]
                 rows.append(logits[live])
-        if sched.prefill is not None:
-            done, last = self._prefill(sched.prefill)
-            for seq, row in zip(done, last, strict=True):
-                family = [seq] + [sib for sib in seq.request.seqs if sib is not seq]
-                for sib in family[1:]:
-                    self.scheduler.fork(seq, sib)
-                seqs += family
-                rows.append(np.repeat(row[None], len(family), axis=0))
+        if prefill is not None:
+            done, last = self._prefill(prefill)
+            seqs += done
+            rows.append(last)
         if len(rows) == 1:
             return seqs, rows[0]
         return seqs, (np.concatenate(rows) if rows else np.empty((0, self.model.vocab_size), np.float32))
 
-    def _prefill(self, work: PrefillWork) -> tuple[list[Sequence], list[np.ndarray]]:
+    def _prefill(self, work: PrefillWork) -> tuple[list[Sequence], np.ndarray]:
+        """Write a prefill's tokens; returns the sequences whose prompts are complete (with the
+        siblings of n > 1 requests forked from them) and a logits row for each."""
         now = time.monotonic()
         for seq in work.seqs:
             seq.request.scheduled_at = seq.request.scheduled_at or now
@@ -218,7 +252,17 @@ class Engine:
         done = self.scheduler.prefill_done(work)
         for seq in work.seqs:
             self.kv.lengths[seq.slot] = seq.num_prefilled
-        return done, [row for seq, row in zip(work.seqs, last, strict=True) if seq in done]
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for i, seq in enumerate(work.seqs):
+            if seq not in done:
+                continue
+            family = [seq] + [sib for sib in seq.request.seqs if sib is not seq]
+            for sib in family[1:]:
+                self.scheduler.fork(seq, sib)
+            seqs += family
+            rows += [i] * len(family)
+        return seqs, last[rows] if rows else np.empty((0, self.model.vocab_size), np.float32)
 
     # ---- update and emit -----------------------------------------------------------------------
 

@@ -81,6 +81,15 @@ class ModelRunner:
         self.session.run_with_iobinding(self._decode_binding(n))
         return self._logits[:n, 0]
 
+    def warm_up(self, max_rows: int) -> None:
+        """Decode once at every batch size up to `max_rows`, into position 0 of each slot.
+
+        onnxruntime's first run at a new batch size costs 40-80 ms on the CPU (allocations sized to
+        it); without this, requests pay for it while the batch grows. Call it before any sequence
+        holds a slot: it writes position 0 of slots that a prefill then overwrites."""
+        for n in range(1, max_rows + 1):
+            self.decode(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
     def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""
         s = len(ids)

@@ -44,6 +44,8 @@ log = logging.getLogger("attnserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
+STREAM_FANOUT = 8  # adaptive streaming: about this many stream messages per model step in all
+MAX_TOKENS_PER_MESSAGE = 16
 
 
 class Call:
@@ -102,6 +104,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.idle.set()
         self._texts: TokenTexts | None = None
         self._max_prompt_chars = 0
+        self._max_delay_s = settings.stream_max_delay_ms / 1000
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -124,7 +127,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
         async with self._generation(request, context, "GenerateStream") as (call, wire, stream):
             sent = StreamState()
-            while batch := await stream.next_batch():
+            min_events = 1  # the first token goes out at once
+            while batch := await stream.next_batch(min_events, self._max_delay_s):
+                min_events = self._tokens_per_message()
                 call.observe(batch)
                 for msg in stream_messages(wire, batch, self._texts, sent, stream.state, last=stream.finished):
                     yield msg
@@ -214,6 +219,15 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 stream.cancel()  # no-op once finished; otherwise frees the slots at the next step
                 self._leave()
 
+    def _tokens_per_message(self) -> int:
+        """Tokens a stream message waits for (`stream_interval`). Adaptive: 1 while few sequences
+        run; beyond STREAM_FANOUT, enough that the whole server sends about STREAM_FANOUT messages
+        per model step, since each message costs the server and the client CPU that the model needs."""
+        if self.settings.stream_interval:
+            return self.settings.stream_interval
+        running = self.engine.running_sequences if self.engine else 0
+        return min(-(-running // STREAM_FANOUT), MAX_TOKENS_PER_MESSAGE) or 1
+
     def _retry_after_ms(self) -> int:
         """How long until a queue place is likely free: waiting requests over the recent completion rate."""
         now = time.monotonic()
@@ -281,6 +295,8 @@ class Server:
         log.info("gRPC listening on %s:%d (health NOT_SERVING until the model is warm)%s", s.host, self.port,
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
         engine = self._engine = self._engine or await asyncio.to_thread(AsyncEngine, s.engine_config())
+        if s.warmup:
+            await asyncio.to_thread(engine.engine.warm_up)  # before the engine thread owns the engine
         engine.start()
         self.metrics.watch(engine.stats)
         if s.warmup:
