@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint serve generate protos train bundle bench-onnx clean
+.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-peers bench clean
 
 help:
 	@echo "make serve      serve the shipped default model over gRPC on localhost:50051 (metrics on :9464)"
@@ -15,6 +15,8 @@ help:
 	@echo "make train      retrain the default model (about 30 minutes on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
+	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
+	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -51,5 +53,19 @@ bench-onnx: install
 	$(BIN)/attnserve export $(MODEL) -o runs/bundle-all --optimize --int8 --fp16
 	$(BIN)/python -m bench.onnx_variants --bundle runs/bundle-all --quality
 
+PEERS := .venv-peers
+$(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --quiet --upgrade pip
+	$(PEERS)/bin/pip install --quiet -c constraints.txt -r bench/requirements-peers.txt
+	touch $@
+
+bench-peers: $(PEERS)/bin/.installed
+
+bench: install bench-peers
+	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128 --noop-check
+	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --mixed
+	$(BIN)/attnserve bench compare
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache .hypothesis
