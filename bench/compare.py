@@ -31,8 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from bench import workload
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, write_section
 from bench.stats import summarize

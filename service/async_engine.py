@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -48,8 +49,9 @@ class RequestStream:
         self._arrived = asyncio.Event()
         self._open = state.request.n  # sequences not finished yet
         self.finished = False
-        self._min_events = 1  # wake the consumer once this many events are queued ...
-        self._max_delay_s = 0.0  # ... or the oldest queued one has waited this long
+        self._min_events = 1  # wake the consumer once this many events are queued
+        self._min_age_s = 0.0  # ... and the oldest of them has waited this long,
+        self._max_delay_s = 0.0  # or once the oldest has waited this long anyway
 
     @property
     def request_id(self) -> str:
@@ -65,8 +67,10 @@ class RequestStream:
         if not items:
             return False
         last = items[-1]
-        return (len(items) >= self._min_events or not isinstance(last, TokenEvent) or last.finish_reason is not None
-                or now - items[0].time >= self._max_delay_s)
+        if not isinstance(last, TokenEvent) or last.finish_reason is not None:
+            return True
+        age = now - items[0].time
+        return age >= self._max_delay_s or (len(items) >= self._min_events and age >= self._min_age_s)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -74,7 +78,7 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self.finished:
             raise StopAsyncIteration
-        self._min_events = 1
+        self._min_events, self._min_age_s = 1, 0.0
         await self._wait()
         item = self._items.popleft()
         if isinstance(item, EngineError):
@@ -86,16 +90,18 @@ class RequestStream:
         self._count(item)
         return item
 
-    async def next_batch(self, min_events: int = 1, max_delay_s: float = 0.0) -> list[TokenEvent]:
+    async def next_batch(self, min_events: int = 1, min_age_s: float = 0.0,
+                         max_delay_s: float = math.inf) -> list[TokenEvent]:
         """Every event that has arrived, waiting for at least one; [] once the request has ended.
         An error is raised after the events that came before it have been returned.
 
-        With `min_events` > 1 it waits until that many events are queued, the request ends, or the
-        oldest queued event is `max_delay_s` old (checked as each event arrives, so it can be late
-        by one engine step): fewer, larger batches for a consumer that pays per batch."""
+        A consumer that pays per batch can ask for fewer, larger ones: it is woken once at least
+        `min_events` events are queued and the oldest has waited `min_age_s`, or once the oldest has
+        waited `max_delay_s` whatever the count, or when the request ends. Ages are checked as
+        events arrive, so a wake-up can be late by one engine step."""
         if self.finished:
             return []
-        self._min_events, self._max_delay_s = min_events, max_delay_s
+        self._min_events, self._min_age_s, self._max_delay_s = min_events, min_age_s, max_delay_s
         await self._wait()
         events: list[TokenEvent] = []
         while self._items and isinstance(self._items[0], TokenEvent):

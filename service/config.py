@@ -62,12 +62,15 @@ class ServerSettings(BaseSettings, EngineConfig):
     default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens of a request that leaves it 0")
     max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message accepted")
     max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
-    stream_interval: int = Field(
-        0, ge=0, le=64, description="tokens per stream message: 0 = adaptive (every token while at most 8 sequences "
-                                    "run, then about 8 messages per model step in all); N = every N tokens")
+    stream_interval_ms: float = Field(
+        5.0, ge=0, le=1000, description="a stream message waits until its oldest token is this old (the first "
+                                        "token goes at once); 0 = no wait")
+    stream_tokens: int = Field(
+        0, ge=0, le=64, description="... and until it holds this many tokens: 0 = adaptive (1 while at most 8 "
+                                    "sequences run, then about 8 messages per model step in all)")
     stream_max_delay_ms: float = Field(
-        50.0, ge=0, le=1000, description="longest a generated token is held back to share a message "
-                                         "(may be exceeded by one model step)")
+        50.0, ge=0, le=1000, description="longest a token waits for a message whatever the above (can be late "
+                                         "by one model step)")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
     warmup: bool = Field(True, description="run a few requests through every batch shape before reporting SERVING")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")

@@ -104,6 +104,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.idle.set()
         self._texts: TokenTexts | None = None
         self._max_prompt_chars = 0
+        self._min_age_s = settings.stream_interval_ms / 1000
         self._max_delay_s = settings.stream_max_delay_ms / 1000
 
     def attach(self, engine: AsyncEngine) -> None:
@@ -127,12 +128,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
         async with self._generation(request, context, "GenerateStream") as (call, wire, stream):
             sent = StreamState()
-            min_events = 1  # the first token goes out at once
-            while batch := await stream.next_batch(min_events, self._max_delay_s):
-                min_events = self._tokens_per_message()
+            batch = await stream.next_batch()  # the first token goes out at once
+            while batch:
                 call.observe(batch)
                 for msg in stream_messages(wire, batch, self._texts, sent, stream.state, last=stream.finished):
                     yield msg
+                batch = await stream.next_batch(self._tokens_per_message(), self._min_age_s, self._max_delay_s)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async with self._rpc(context, "Tokenize"):
@@ -220,11 +221,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 self._leave()
 
     def _tokens_per_message(self) -> int:
-        """Tokens a stream message waits for (`stream_interval`). Adaptive: 1 while few sequences
-        run; beyond STREAM_FANOUT, enough that the whole server sends about STREAM_FANOUT messages
-        per model step, since each message costs the server and the client CPU that the model needs."""
-        if self.settings.stream_interval:
-            return self.settings.stream_interval
+        """Tokens a stream message waits for (`stream_tokens`). Adaptive: 1 while few sequences run;
+        beyond STREAM_FANOUT, enough that the whole server sends about STREAM_FANOUT messages per
+        model step. Each message costs the server and the client CPU that the model would use."""
+        if self.settings.stream_tokens:
+            return self.settings.stream_tokens
         running = self.engine.running_sequences if self.engine else 0
         return min(-(-running // STREAM_FANOUT), MAX_TOKENS_PER_MESSAGE) or 1
 
