@@ -119,13 +119,15 @@ class RequestStream:
         return []
 
     async def _wait(self) -> None:
-        while not self._ready(time.monotonic()):
-            self._arrived.clear()
-            try:
-                await self._arrived.wait()
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
+        """Return once the queued events are ready for the consumer; `_put` sets `_arrived` only then."""
+        if self._ready(time.monotonic()):
+            return
+        self._arrived.clear()
+        try:
+            await self._arrived.wait()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
 
     def _count(self, event: TokenEvent) -> None:
         if event.finish_reason is not None:

@@ -72,7 +72,8 @@ class ServerSettings(BaseSettings, EngineConfig):
         50.0, ge=0, le=1000, description="longest a token waits for a message whatever the above (can be late "
                                          "by one model step)")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
-    warmup: bool = Field(True, description="run a few requests through every batch shape before reporting SERVING")
+    warmup: bool = Field(True, description="run decode at every batch size and a few requests before reporting "
+                                           "SERVING")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 
