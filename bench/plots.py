@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -43,10 +44,13 @@ def serve_plots(result: dict, out: Path, name: str) -> list[Path]:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for lv in levels:
-        _cdf(a, lv["ttft_samples_s"], f"{lv['concurrency']} streams")
-        _cdf(b, lv["itl_samples_s"], f"{lv['concurrency']} streams")
-    a.set_xscale("log")
-    b.set_xscale("log")
+        label = f"{lv['concurrency']} stream{'s' if lv['concurrency'] != 1 else ''}"
+        _cdf(a, lv["ttft_samples_s"], label)
+        _cdf(b, lv["itl_samples_s"], label)
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     a.set_title("time to first token")
     b.set_title("inter-token latency")
     for ax in (a, b):
