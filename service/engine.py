@@ -69,7 +69,8 @@ class Engine:
         self.limits = EngineLimits(max_new_tokens=min(config.max_new_tokens or m.n_ctx - 1, m.n_ctx - 1),
                                    max_prompt_tokens=min(config.max_prompt_tokens or m.n_ctx - 1, m.n_ctx - 1))
         self.requests: dict[str, RequestState] = {}
-        self._rate: deque[tuple[float, int]] = deque()
+        self._rate: deque[tuple[float, int]] = deque()  # (time, tokens) of the steps in the rate window
+        self._rate_tokens = 0  # their sum
         self.generated_tokens = 0
         self.steps = 0
         log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once", n_slots,
@@ -310,17 +311,20 @@ class Engine:
             seq.sampling.suppress = []
 
     def _count(self, tokens: int) -> None:
-        now = time.monotonic()
         self.generated_tokens += tokens
-        self._rate.append((now, tokens))
-        while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
-            self._rate.popleft()
+        self._rate.append((time.monotonic(), tokens))
+        self._rate_tokens += tokens
+
+    def _recent_rate(self, now: float) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (amortised O(1): the engine
+        thread asks after every step)."""
+        rate = self._rate
+        while rate and rate[0][0] < now - RATE_WINDOW_S:
+            self._rate_tokens -= rate.popleft()[1]
+        return self._rate_tokens / max(now - rate[0][0], 1e-3) if rate else 0.0
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._rate) if t >= now - RATE_WINDOW_S]
-        span = max(now - recent[0][0], 1e-3) if recent else 0.0
-        rate = sum(n for _, n in recent) / span if recent else 0.0
+        rate = self._recent_rate(time.monotonic())
         running = {o.request.id for o in self.kv.owners[:self.kv.used] if o is not None}
         return EngineStats(running_requests=len(running), running_sequences=self.scheduler.num_running,
                            waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
