@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import statistics
@@ -112,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="systems to leave out, comma-separated (transformers, optimum)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = p.parse_args(argv)
+    try:
+        from model.export_hf import export_hf  # torch and safetensors, to write the peers' GPT-2 directory
+    except ImportError as e:
+        print(f"attnserve bench compare needs the development install (make install): {e}", file=sys.stderr)
+        return 2
     from bench.server_process import ServerProcess
-    from model.export_hf import export_hf
     from service.config import EngineConfig
     from service.engine import Engine
 
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if "optimum" not in skip and not args.peers_python.is_file():
         skip.add("optimum")
         notes["optimum"] = f"not measured: {args.peers_python} is missing (make bench-peers)"
+    if "transformers" not in skip and importlib.util.find_spec("transformers") is None:
+        skip.add("transformers")
+        notes["transformers"] = "not measured: transformers is not installed here (make install)"
     engine = Engine(EngineConfig(bundle=args.bundle, max_running=max(64, max(sizes)),
                                  max_batch_tokens=max(512, max(sizes) * (args.prompt_tokens + 1))))
     engine.warm_up()
