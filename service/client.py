@@ -11,6 +11,9 @@
         async for delta in c.stream("ROMEO:"):
             ...
 
+Against a server with TLS, pass `credentials=channel_credentials(ca_file=...)` (and a client
+certificate and key for mutual TLS); with a bearer token, `token="..."` (docs/security.md).
+
 Keyword arguments are the fields of `GenerateRequest`, `SamplingParams` and `StoppingCriteria`
 (docs/api.md); left out, they take the server's defaults. Errors are raised as `grpc.RpcError`
 (`grpc.aio.AioRpcError` for the async client), whose `.code()` is the status (docs/api.md#errors).
@@ -18,12 +21,15 @@ Keyword arguments are the fields of `GenerateRequest`, `SamplingParams` and `Sto
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
+from service.security import channel_credentials
 
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 STOPPING_FIELDS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
@@ -47,15 +53,38 @@ def build_request(prompt: str | Iterable[int], **fields) -> pb.GenerateRequest:
                               **{k: v for k, v in fields.items() if v is not None})
 
 
+def call_metadata(metadata: Iterable[tuple[str, str]], token: str | None) -> tuple[tuple[str, str], ...]:
+    return tuple(metadata) + ((("authorization", f"Bearer {token}"),) if token else ())
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """--token, --tls-ca, --tls-cert, --tls-key: how a command reaches a secured server."""
+    g = p.add_argument_group("connection (docs/security.md)")
+    g.add_argument("--token", default=os.environ.get("ATTNSERVE_TOKEN"),
+                   help="bearer token for a server that requires one (default: $ATTNSERVE_TOKEN)")
+    g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (a server with tls_cert_file)")
+    g.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires mutual TLS")
+    g.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
+
+
+def connection_options(args: argparse.Namespace) -> dict:
+    """`Client` keyword arguments from the flags of `add_connection_flags`."""
+    tls = args.tls_ca or args.tls_cert
+    return {"token": args.token,
+            "credentials": channel_credentials(args.tls_ca, args.tls_cert, args.tls_key) if tls else None}
+
+
 class Client:
     """Blocking client. `timeout_s` is each call's deadline unless a call passes its own."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
-                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None,
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = channel or (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                                   else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout_s = timeout_s
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata, token)
 
     def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None, **fields) -> pb.GenerateResponse:
         """The whole result: `.completions[i].text`, `.token_ids`, `.finish_reason`, and `.usage`."""
@@ -101,11 +130,14 @@ class AsyncClient:
     """asyncio client; the same calls as `Client`, awaited (and `stream` as an async iterator)."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
-                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.aio.Channel | None = None):
-        self.channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.aio.Channel | None = None,
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = channel or (
+            grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout_s = timeout_s
-        self.metadata = tuple(metadata)
+        self.metadata = call_metadata(metadata, token)
 
     async def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
                        **fields) -> pb.GenerateResponse:

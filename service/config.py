@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
@@ -74,8 +74,40 @@ class ServerSettings(BaseSettings, EngineConfig):
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
     warmup: bool = Field(True, description="run decode at every batch size and a few requests before reporting "
                                            "SERVING")
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain of the server; with tls_key_file, "
+                                                          "the gRPC port speaks TLS only")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA certificate(s); when set, clients must present a certificate it signed (mutual TLS)")
+    auth_token: SecretStr | None = Field(
+        None, description="static bearer token every call but health must carry as 'authorization: Bearer <token>'")
+    auth_token_file: Path | None = Field(None, description="file holding the bearer token (instead of auth_token)")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @model_validator(mode="after")
+    def _security_settings_fit_together(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both for TLS, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs TLS: set tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("set auth_token or auth_token_file, not both")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("auth_token is empty")
+        if self.auth_token_file is not None and not self.auth_token_file.read_text().strip():
+            raise ValueError(f"auth_token_file: {self.auth_token_file} is empty")
+        return self
+
+    def bearer_token(self) -> str | None:
+        """The token calls must carry, or None when authentication is off."""
+        if self.auth_token_file is not None:
+            return self.auth_token_file.read_text().strip()
+        return self.auth_token.get_secret_value().strip() if self.auth_token is not None else None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from attnserve.v1 import generate_pb2 as pb
-from service.client import Client, build_request
+from service.client import Client, add_connection_flags, build_request, connection_options
 from service.config import DEFAULT_BUNDLE, ServerSettings
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", default=None, help="graph variant in-process (default: the bundle's serving graph)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive (GenerateStream)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --server)")
+    add_connection_flags(p)
     p.add_argument("-n", type=int, default=1, help="completions from the one prompt")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
     p.add_argument("--min-new-tokens", type=int, default=0)
@@ -88,14 +89,14 @@ class Printer:
 def run_remote(args: argparse.Namespace) -> int:
     printer = Printer(args.prompt, max(args.n, 1))
     try:
-        with Client(args.server, timeout_s=args.timeout) as client:
+        with Client(args.server, timeout_s=args.timeout, **connection_options(args)) as client:
             request = request_of(args)
             if args.stream:
-                call = client.stub.GenerateStream(request, timeout=args.timeout)
+                call = client.stub.GenerateStream(request, timeout=args.timeout, metadata=client.metadata)
                 for msg in call:
                     printer.message(msg)
             else:
-                printer.response(client.stub.Generate(request, timeout=args.timeout))
+                printer.response(client.stub.Generate(request, timeout=args.timeout, metadata=client.metadata))
     except grpc.RpcError as e:
         print(f"\nattnserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2 if e.code() is grpc.StatusCode.INVALID_ARGUMENT else 1

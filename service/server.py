@@ -37,6 +37,7 @@ from service.errors import EngineStopped, NotReady, Overloaded
 from service.metrics import Metrics
 from service.protocol import Collector, StreamState, TokenTexts, WireRequest, parse_request, stream_messages
 from service.request import GenerationRequest, SamplingParams, StoppingCriteria, TokenEvent
+from service.security import BearerToken, server_credentials
 from service.status import status_for
 
 log = logging.getLogger("attnserve.server")
@@ -270,7 +271,8 @@ class Server:
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
         self.port = 0
         self.metrics_port = 0
-        self.grpc = grpc.aio.server(options=[
+        token = settings.bearer_token()
+        self.grpc = grpc.aio.server(interceptors=[BearerToken(token)] if token else [], options=[
             ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
             ("grpc.max_send_message_length", settings.max_send_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -287,13 +289,18 @@ class Server:
         """Bind and report NOT_SERVING, load and warm the model, then report SERVING."""
         s = self.settings
         await self._set_health(NOT_SERVING)
-        self.port = self.grpc.add_insecure_port(f"{s.host}:{s.port}")
+        credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+        address = f"{s.host}:{s.port}"
+        self.port = (self.grpc.add_secure_port(address, credentials) if credentials
+                     else self.grpc.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC port {s.host}:{s.port}")
         await self.grpc.start()
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
-        log.info("gRPC listening on %s:%d (health NOT_SERVING until the model is warm)%s", s.host, self.port,
+        log.info("gRPC listening on %s:%d (%s%s; health NOT_SERVING until the model is warm)%s", s.host, self.port,
+                 "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
+                 ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
         engine = self._engine = self._engine or await asyncio.to_thread(AsyncEngine, s.engine_config())
         if s.warmup:
