@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,7 @@ import onnx
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
-from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, static_io_names
+from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, sha256_file, static_io_names
 
 GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx", "fp32": "model.onnx",
                "optimized": "model.opt.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
@@ -26,13 +25,6 @@ DESCRIPTIONS = {
     "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
 }
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:

@@ -28,7 +28,7 @@ from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import convert_fp16, node_count, optimize, quantize_int8
 from model.checkpoint import load_model_dir
-from service.bundle import write_manifest
+from service.bundle import sha256_file, write_manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +83,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     for v in variants:
         stamp_metadata(out / GRAPH_FILES[v], manifest)
     copy_tokenizer(model_dir, out)
+    manifest.tokenizer_sha256 = sha256_file(out / manifest.tokenizer_file)
     write_manifest(out, manifest)
     return variants
 

@@ -11,6 +11,7 @@ outputs differ from the manifest, or a tokenizer that does not fit the model's v
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Literal
@@ -56,12 +57,21 @@ class ModelSpec(BaseModel):
     bos_token_id: int | None = None
 
 
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class Manifest(BaseModel):
     format: Literal["attnserve-onnx"] = FORMAT
     format_version: int = FORMAT_VERSION
     model: ModelSpec
     tokenizer_file: str = "tokenizer.json"
     special_tokens: dict[str, int]  # token string -> id
+    tokenizer_sha256: str | None = None  # of tokenizer_file as exported; checked at load (older bundles: None)
     opset: int  # default-domain ONNX opset of every graph
     source_weights_sha256: str  # sha256 of the model.safetensors the graphs were exported from
     default_graph: str  # key into graphs used when no variant is asked for

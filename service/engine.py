@@ -62,6 +62,9 @@ class Engine:
         m = self.runner.manifest.model
         self.model = m
         self.tokenizer = self.runner.tokenizer
+        # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
+        # those ids are never sampled
+        self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
         n_slots = plan_slots(self.runner.cache_shape, config.max_running, config.kv_cache_bytes)
         self.kv = KVCache(self.runner.cache_shape, n_slots)
         self.runner.attach(self.kv)
@@ -200,6 +203,8 @@ class Engine:
         if not seqs:
             return []
         top_n = max(s.request.request.top_logprobs for s in seqs)
+        if self.sampleable < logits.shape[1]:
+            logits[:, self.sampleable:] = -np.inf
         result = sample(logits, [s.sampling for s in seqs], top_n)
         now = time.monotonic()
         out = []

@@ -16,7 +16,7 @@ from typing import Literal
 import onnxruntime as ort
 
 from model.tokenizer import Tokenizer
-from service.bundle import BundleError, CacheLayout, GraphSpec, Manifest, graph_io_names, read_manifest
+from service.bundle import BundleError, CacheLayout, GraphSpec, Manifest, graph_io_names, read_manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ def load_tokenizer(bundle_dir: Path, manifest: Manifest) -> Tokenizer:
     path = bundle_dir / manifest.tokenizer_file
     if not path.is_file():
         raise BundleError(f"tokenizer {path} is missing")
+    if manifest.tokenizer_sha256 is not None and sha256_file(path) != manifest.tokenizer_sha256:
+        raise BundleError(f"tokenizer {path} is not the one the bundle was exported with (its sha256 differs from "
+                          "bundle.json's tokenizer_sha256): they do not belong together")
     try:
         tokenizer = Tokenizer.from_file(path, eos_id=manifest.model.eos_token_id)
     except Exception as e:  # tokenizers raises bare Exceptions for unreadable files

@@ -3,6 +3,8 @@ The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +158,40 @@ def test_start_up_fails_in_one_line_for_a_missing_bundle(tmp_path):
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "start-up failed" in errors[0] and "nothing" in errors[0]
+
+
+def damage(bundle: Path, how: str) -> str:
+    """Break a copy of a bundle in one way; returns a word the one-line cause must contain."""
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    graph = bundle / manifest["graphs"][manifest["default_graph"]]["file"]
+    if how == "truncated graph":
+        graph.write_bytes(graph.read_bytes()[:4096])
+        return graph.name
+    if how == "corrupt manifest":
+        (bundle / "bundle.json").write_text('{"format": "attnserve-onnx", "model": ')
+        return "bundle.json"
+    if how == "missing graph":
+        graph.unlink()
+        return graph.name
+    if how == "mismatched tokenizer":
+        from model.tokenizer import train_bpe
+
+        train_bpe(["a different corpus, a different vocabulary"] * 4, vocab_size=270, min_frequency=1).save(
+            str(bundle / manifest["tokenizer_file"]))
+        return "tokenizer"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated graph", "corrupt manifest", "missing graph", "mismatched tokenizer"])
+def test_start_up_fails_in_one_line_for_a_broken_bundle(engine_bundle, tmp_path, how):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(engine_bundle, bundle)
+    word = damage(bundle, how)
+    out = serve("--bundle", str(bundle), "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed" in errors[0] and word in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
 
 
 def test_help_lists_every_setting_with_its_default():
