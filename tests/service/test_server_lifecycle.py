@@ -133,6 +133,34 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(engine_bundle):
 
 
 @pytest.mark.slow
+def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
+    """8 streams in flight (4 running, 4 queued) when SIGTERM arrives: all 8 finish whole, new calls
+    get UNAVAILABLE, health says NOT_SERVING, and the process exits 0 within the grace period."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start_process(engine_bundle, port, "--grace-period-s", "20")
+    try:
+        wait_serving(proc, address)
+        with Client(address, timeout_s=60) as c:
+            calls = [c.stub.GenerateStream(build_request(f"Rom. {i}", max_new_tokens=40, ignore_eos=True), timeout=60)
+                     for i in range(8)]
+            firsts = [next(calls[i]) for i in range(4)]  # the running four have started
+            wait_until(lambda: c.server_info().requests_waiting == 4, what="four requests to queue")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Ham.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            results = [[*([firsts[i]] if i < 4 else []), *call] for i, call in enumerate(calls)]
+        for msgs in results:
+            assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
 def test_sigint_on_an_idle_server_exits_0(engine_bundle):
     port = free_port()
     proc = start_process(engine_bundle, port, "--log-format", "json")
