@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-peers bench clean
+.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-peers bench soak clean
 
 help:
 	@echo "make serve      serve the shipped default model over gRPC on localhost:50051 (metrics on :9464)"
@@ -16,6 +16,7 @@ help:
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
+	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
 	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
 	@echo "make lint       ruff"
 
@@ -66,6 +67,9 @@ bench: install bench-peers
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128 --noop-check
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --mixed
 	$(BIN)/attnserve bench compare
+
+soak: install
+	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
 	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache .hypothesis
