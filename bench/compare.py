@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench import workload
-from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, write_section
+from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish
 from bench.stats import summarize
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -178,12 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
         from bench.plots import compare_plot
 
+        publish("compare", result, md)
         compare_plot(rows, RESULTS_DIR)
-        write_section("compare", md)
     return 0
 
 

@@ -16,7 +16,6 @@ Writes docs/bench/engine.json and the engine section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import RESULTS_DIR, describe, machine_line, write_section
+from bench.machine import describe, machine_line, publish
 from service.config import EngineConfig
 from service.engine import Engine
 from service.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -167,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-        write_section("engine", md)
+        publish("engine", result, md)
     return 0
 
 

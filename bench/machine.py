@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -29,6 +30,15 @@ def describe() -> dict:
 def machine_line(m: dict) -> str:
     return (f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, onnxruntime {m['onnxruntime']}, "
             f"numpy {m['numpy']}")
+
+
+def publish(name: str, result: dict, markdown: str, out: Path = RESULTS_DIR) -> None:
+    """Write `<out>/<name>.json` and, for the standard results folder, the `name` section of
+    BENCHMARKS.md. Plots go next to the JSON (each benchmark draws its own)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if out == RESULTS_DIR:
+        write_section(name, markdown)
 
 
 def write_section(name: str, markdown: str, doc: Path = BENCH_DOC) -> None:

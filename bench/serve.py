@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import resource
 import time
@@ -33,7 +32,7 @@ import grpc
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
-from bench.machine import RESULTS_DIR, describe, machine_line, write_section
+from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from bench.stats import RequestRecord, Summary, summarize
 from service.client import CHANNEL_OPTIONS
 
@@ -206,14 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        name = "serve-mixed" if args.mixed else "serve"
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         from bench import plots
 
+        name = "serve-mixed" if args.mixed else "serve"
+        publish(name, result, md, args.out)
         plots.serve_plots(result, args.out, name)
-        if args.out == RESULTS_DIR:
-            write_section(name, md)
     return 0 if all(not level.summary.errors and not level.summary.short for level in results) else 1
 
 

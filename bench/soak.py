@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ import grpc
 
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
-from bench.machine import RESULTS_DIR, describe, machine_line, write_section
+from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from bench.serve import DEFAULT_BUNDLE, model_info, to_request
 from service.client import CHANNEL_OPTIONS
 
@@ -150,10 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+        publish("soak", result, md)
         plot(result, RESULTS_DIR)
-        write_section("soak", md)
     v = result["verdict"]
     return 0 if v["rss_flat"] and v["no_errors"] else 1
 
