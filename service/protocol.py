@@ -107,9 +107,9 @@ def parse_request(msg: pb.GenerateRequest, tokenizer: Tokenizer, n_ctx: int, def
         ids, text = fields.prompt_token_ids, None
     sampling = build(SamplingParams, "sampling", sampling_values(msg.sampling))
     stopping = build(StoppingCriteria, "stopping", stopping_values(msg.stopping, len(ids), n_ctx,
-                                                                    default_max_new_tokens))
+                                                                    default_max_new_tokens, msg.truncate_prompt))
     request = GenerationRequest(uuid.uuid4().hex, ids, sampling, stopping, n=fields.n,
-                                top_logprobs=fields.top_logprobs)
+                                top_logprobs=fields.top_logprobs, truncate_prompt=msg.truncate_prompt)
     if text is None and fields.echo:
         text = tokenizer.decode(ids) if all(0 <= t < tokenizer.vocab_size for t in ids) else ""
     return WireRequest(request, fields.request_id or request.request_id, text or "", fields.logprobs, fields.echo)
@@ -126,8 +126,12 @@ def sampling_values(msg: pb.SamplingParams) -> dict:
     return values
 
 
-def stopping_values(msg: pb.StoppingCriteria, prompt_tokens: int, n_ctx: int, default_max_new_tokens: int) -> dict:
-    max_new = msg.max_new_tokens or max(1, min(default_max_new_tokens, n_ctx - prompt_tokens))
+def stopping_values(msg: pb.StoppingCriteria, prompt_tokens: int, n_ctx: int, default_max_new_tokens: int,
+                    truncate_prompt: bool = False) -> dict:
+    """The stopping fields; an unset max_new_tokens takes the default, shrunk to the room the prompt
+    leaves unless the prompt may be truncated to make room."""
+    room = n_ctx if truncate_prompt else n_ctx - prompt_tokens
+    max_new = msg.max_new_tokens or max(1, min(default_max_new_tokens, room))
     return {"max_new_tokens": max_new, "min_new_tokens": msg.min_new_tokens, "stop": list(msg.stop),
             "stop_token_ids": list(msg.stop_token_ids), "ignore_eos": msg.ignore_eos}
 

@@ -53,7 +53,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs", "truncate_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +73,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     echo: bool
     logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., n: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    truncate_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., n: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., truncate_prompt: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text", "top")

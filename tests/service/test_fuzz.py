@@ -59,7 +59,7 @@ def requests(draw) -> pb.GenerateRequest:
     r.stopping.ignore_eos = draw(st.booleans())
     r.n = draw(st.one_of(st.integers(0, 4), u32))
     r.top_logprobs = draw(st.one_of(st.integers(0, 4), u32))
-    r.echo, r.logprobs = draw(st.booleans()), draw(st.booleans())
+    r.echo, r.logprobs, r.truncate_prompt = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     r.request_id = draw(st.one_of(st.just(""), st.text(max_size=40), st.text(min_size=200, max_size=2000)))
     return r
 

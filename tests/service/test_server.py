@@ -120,6 +120,21 @@ def test_defaults_when_fields_are_unset(client, make_engine, tokenizer):
     assert len(client.generate(long_prompt, seed=1, ignore_eos=True).completions[0].token_ids) == 28
 
 
+def test_truncate_prompt_keeps_the_newest_tokens(client):
+    """Context 128: a 200-token prompt with 20 new tokens keeps its last 108 tokens; without the flag
+    it is refused; with the default max_new_tokens the prompt makes room for the default 64."""
+    prompt = [1 + i % 250 for i in range(200)]
+    fields = dict(max_new_tokens=20, ignore_eos=True, temperature=0.0)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, **fields)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("prompt:")
+    cut = client.generate(prompt, truncate_prompt=True, **fields)
+    assert cut.usage.prompt_tokens == 108
+    assert list(cut.completions[0].token_ids) == list(client.generate(prompt[-108:], **fields).completions[0].token_ids)
+    default = client.generate(prompt, truncate_prompt=True, ignore_eos=True, seed=1)
+    assert len(default.completions[0].token_ids) == 64 and default.usage.prompt_tokens == 128 - 64
+
+
 def test_32_concurrent_streams_all_complete_correctly(server, client):
     requests = [dict(prompt=PROMPTS[i % 4] + " " * (i % 3), temperature=0.7 + 0.01 * i, seed=i, max_new_tokens=24 + i,
                      ignore_eos=True) for i in range(32)]
