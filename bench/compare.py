@@ -35,6 +35,7 @@ from pathlib import Path
 from bench import workload
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish
 from bench.stats import summarize
+from service.config import DEFAULT_BUNDLE
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEER_SCRIPT = ROOT / "bench" / "peers" / "generate.py"
@@ -101,7 +102,7 @@ def run_grpc(address: str, batches: dict[int, list[list[int]]], new_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve bench compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "shakespeare", help="model directory (weights)")
-    p.add_argument("--bundle", type=Path, default=ROOT / "models" / "shakespeare-onnx", help="its ONNX bundle")
+    p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="its ONNX bundle")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -24,11 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import describe, machine_line, publish
-from service.config import EngineConfig
+from service.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine import Engine
 from service.request import GenerationRequest, SamplingParams, StoppingCriteria
-
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 30) -> float:

@@ -35,8 +35,7 @@ from bench import workload
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from bench.stats import RequestRecord, Summary, summarize
 from service.client import CHANNEL_OPTIONS
-
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-onnx"
+from service.config import DEFAULT_BUNDLE
 
 
 @dataclass

@@ -10,12 +10,12 @@ otherwise the server builds its own from the settings, as `attnserve serve` does
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.server_process import free_port  # noqa: F401 (the tests import it from here)
 from service.async_engine import AsyncEngine
 from service.config import ServerSettings
 from service.engine import Engine
@@ -51,12 +51,6 @@ def slowed(seconds: float) -> Callable[[Engine], None]:
 
         engine.runner.decode = decode
     return wrap
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
