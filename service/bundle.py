@@ -14,9 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
 MANIFEST_FILE = "bundle.json"
 FORMAT = "attnserve-onnx"
@@ -36,13 +36,26 @@ class TensorSpec(BaseModel):
 CacheLayout = Literal["concat", "static"]
 
 
+WeightPrecision = Literal["float32", "float16", "int8", "int4"]
+
+
 class GraphSpec(BaseModel):
     file: str  # ONNX file name inside the bundle
     cache: CacheLayout = "concat"  # concat: past in, past+new out; static: one fixed buffer updated in place
     dtype: Literal["float32", "float16"]  # dtype of logits and the KV cache
+    weights: WeightPrecision = "float32"  # how the matmul weights are stored; anything but float32 is checked
     description: str  # what this variant is for
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weights_of_older_bundles(cls, data: Any) -> Any:
+        """Manifests written before `weights` existed: their INT8 and FP16 graphs say so in the file name."""
+        if isinstance(data, dict) and "weights" not in data:
+            file = str(data.get("file", ""))
+            data = {**data, "weights": "int8" if "int8" in file else "float16" if "fp16" in file else "float32"}
+        return data
 
 
 class ModelSpec(BaseModel):

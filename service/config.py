@@ -20,6 +20,7 @@ DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "models" / "shakespeare-o
 ENV_PREFIX = "ATTNSERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CONFIG_SUFFIXES = {".toml": "toml_file", ".json": "json_file"}
+AUTO_GRAPH = "auto"
 
 
 class SettingsError(ValueError):
@@ -28,7 +29,8 @@ class SettingsError(ValueError):
 
 class EngineConfig(BaseModel):
     bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
-    graph: str | None = Field(None, description="graph variant; unset = the bundle's serving default")
+    graph: str = Field(AUTO_GRAPH, description="graph to serve; auto = the fastest of the bundle's serving graphs "
+                                               "that passes the start-up self-check on this CPU")
     providers: Literal["auto", "cpu", "cuda"] = Field(
         "cpu", description="onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); "
                            "off the CPU the graph must reproduce the CPU at start-up")

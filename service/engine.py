@@ -28,6 +28,7 @@ import numpy as np
 from service.config import EngineConfig
 from service.detokenizer import TextStream
 from service.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError, Overloaded
+from service.graph_choice import open_serving_graph
 from service.kv_cache import KVCache, plan_slots
 from service.request import EngineLimits, FinishReason, GenerationRequest, TokenEvent
 from service.runner import ModelRunner
@@ -58,7 +59,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner or ModelRunner(config.bundle, config.graph, config.providers, config.threads)
+        self.runner = runner or open_serving_graph(config)
         m = self.runner.manifest.model
         self.model = m
         self.tokenizer = self.runner.tokenizer

@@ -21,7 +21,7 @@ import grpc
 
 from attnserve.v1 import generate_pb2 as pb
 from service.client import Client, add_connection_flags, build_request, connection_options
-from service.config import DEFAULT_BUNDLE, ServerSettings
+from service.config import AUTO_GRAPH, DEFAULT_BUNDLE, ServerSettings
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_argument_group("where").add_mutually_exclusive_group()
     where.add_argument("--server", metavar="HOST:PORT", help="a running attnserve server (default: in-process)")
     where.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="ONNX bundle for the in-process engine")
-    p.add_argument("--graph", default=None, help="graph variant in-process (default: the bundle's serving graph)")
+    p.add_argument("--graph", default=AUTO_GRAPH, help="graph in-process (default: auto, the fastest that passes the "
+                                                       "self-check on this CPU)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive (GenerateStream)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --server)")
     add_connection_flags(p)

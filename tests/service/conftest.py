@@ -69,6 +69,18 @@ def plain_bundle(tmp_path_factory, tiny_model_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def wrong_int8_bundle(tiny_bundle, engine_bundle, tmp_path_factory) -> Path:
+    """The tiny bundle with another model's graph where its INT8 serving graph belongs: a reduced-precision
+    graph that parts from its fp32 graph, as a CPU whose integer kernels go wrong would make it."""
+    import shutil
+
+    dst = tmp_path_factory.mktemp("wrong_int8") / "bundle"
+    shutil.copytree(tiny_bundle, dst)
+    shutil.copyfile(engine_bundle / "model.static.onnx", dst / "model.static.int8.onnx")
+    return dst
+
+
 ENGINE_DEFAULTS = dict(max_running=8, max_batch_tokens=256, max_waiting=64, threads=1)
 
 

@@ -222,6 +222,14 @@ def test_start_up_fails_in_one_line_for_a_broken_bundle(engine_bundle, tmp_path,
     assert "Traceback" not in out.stderr
 
 
+def test_start_up_refuses_a_graph_that_fails_the_self_check_in_one_line(wrong_int8_bundle):
+    out = serve("--bundle", str(wrong_int8_bundle), "--graph", "static-int8", "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed: graph 'static-int8'" in errors[0], out.stderr[-2000:]
+    assert "--graph static" in errors[0] and "Traceback" not in out.stderr
+
+
 def test_help_lists_every_setting_with_its_default():
     from service.config import ServerSettings
 

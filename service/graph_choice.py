@@ -1,0 +1,118 @@
+"""Which graph of the bundle to serve: the one asked for, or the fastest that is right on this machine.
+
+    runner = open_serving_graph(config)     # config.graph: a graph name, or "auto" (the default)
+
+A named graph is opened and must pass the self-check (`service.self_check`); if it fails, start-up
+stops. With "auto", every static-cache graph of the bundle is a candidate:
+1. each reduced-precision candidate is checked against the fp32 graph; one that fails is dropped
+   with a warning that says why;
+2. the rest decode `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
+   `TIMING_ROUNDS` interleaved rounds (so a noisy neighbour slows every candidate alike);
+3. the one with the lowest geometric mean of its two median step times is served, and the log
+   names every candidate's times and agreement.
+
+Batch 1 is bound by reading the weights, a full batch by the matmuls; which graph wins each can
+differ by CPU, so the choice is measured where the server runs rather than fixed at export.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from service.bundle import BundleError, read_manifest
+from service.config import AUTO_GRAPH, EngineConfig
+from service.cpu import cpu_info
+from service.kv_cache import KVCache
+from service.runner import ModelRunner
+from service.self_check import Agreement, check
+
+log = logging.getLogger(__name__)
+
+TIMING_ROUNDS = 3
+TIMING_STEPS = 4
+TIMING_PROMPT = 8  # tokens prefilled per row before the timed decode steps
+MAX_TIMING_BATCH = 32
+
+
+@dataclass
+class Candidate:
+    runner: ModelRunner
+    agreement: Agreement | None  # None: the fp32 graph on the CPU, nothing to check
+    step_ms: dict[int, float]  # batch size -> median decode step time
+
+    @property
+    def score(self) -> float:
+        return math.exp(statistics.fmean(math.log(t) for t in self.step_ms.values()))
+
+    def describe(self) -> str:
+        times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items())
+        agreed = f"; top-1 agreement {self.agreement.top1:.1%}" if self.agreement else ""
+        return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}"
+
+
+def open_serving_graph(config: EngineConfig) -> ModelRunner:
+    """The runner the engine serves with, checked on this machine (raises `BundleError`)."""
+    def open_(name: str | None) -> ModelRunner:
+        return ModelRunner(config.bundle, name, config.providers, config.threads)
+
+    if config.graph not in (None, AUTO_GRAPH):
+        runner = open_(config.graph)
+        check(runner)
+        return runner
+    manifest = read_manifest(config.bundle)
+    names = [name for name, spec in manifest.graphs.items() if spec.cache == "static"]
+    if len(names) <= 1:  # nothing to choose (or no static graph: the runner says so)
+        runner = open_(names[0] if names else None)
+        check(runner)
+        return runner
+    runners = [open_(name) for name in names]
+    reference = next((r for r in runners if r.spec.weights == "float32" and r.provider == "CPUExecutionProvider"),
+                     None)
+    candidates = []
+    for runner in runners:
+        try:
+            candidates.append(Candidate(runner, check(runner, reference), {}))
+        except BundleError as e:
+            log.warning("graph choice: not serving %s: %s", runner.graph_name, e)
+    if not candidates:
+        raise BundleError(f"no graph of {config.bundle} passes the self-check on this CPU ({cpu_info().describe()})")
+    time_decode(candidates, min(config.max_running, MAX_TIMING_BATCH))
+    best = min(candidates, key=lambda c: c.score)
+    log.info("graph choice on %s: serving %s, the lowest geometric mean of its step times; measured: %s",
+             cpu_info().describe(), best.runner.graph_name, "; ".join(c.describe() for c in candidates))
+    return best.runner
+
+
+def time_decode(candidates: list[Candidate], batch: int) -> None:
+    """Fill each candidate's `step_ms` at batch 1 and `batch`, rounds interleaved across candidates."""
+    sizes = sorted({1, batch})
+    samples: dict[tuple[int, int], list[float]] = {(i, b): [] for i in range(len(candidates)) for b in sizes}
+    for _ in range(TIMING_ROUNDS):
+        for i, c in enumerate(candidates):
+            for b in sizes:
+                samples[i, b] += _decode_times(c.runner, b)
+    for i, c in enumerate(candidates):
+        c.step_ms = {b: 1000 * statistics.median(samples[i, b]) for b in sizes}
+
+
+def _decode_times(runner: ModelRunner, batch: int) -> list[float]:
+    positions = TIMING_PROMPT + TIMING_STEPS + 1
+    runner.attach(KVCache(replace(runner.cache_shape, max_seq=positions), batch))
+    try:
+        vocab = runner.vocab_size
+        prompts = [[(7 * row + t) % vocab for t in range(TIMING_PROMPT)] for row in range(batch)]
+        ids = runner.prefill_batch(0, prompts).argmax(-1)
+        times = []
+        for step in range(TIMING_STEPS + 1):  # the first step is a warm-up
+            started = time.perf_counter()
+            ids = runner.decode(ids, np.full(batch, TIMING_PROMPT + step)).argmax(-1)
+            times.append(time.perf_counter() - started)
+        return times[1:]
+    finally:
+        runner.kv = None

@@ -1,0 +1,44 @@
+"""`--graph auto`: the fastest graph that passes the self-check; a named graph must pass it too."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from service.bundle import BundleError
+from service.config import EngineConfig
+from service.graph_choice import open_serving_graph
+
+
+def test_auto_measures_every_serving_graph_and_says_which_it_serves(tiny_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.graph_choice"):
+        runner = open_serving_graph(EngineConfig(bundle=tiny_bundle, max_running=4, max_batch_tokens=64))
+    assert runner.graph_name in ("static", "static-int8") and runner.kv is None
+    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
+    assert f"serving {runner.graph_name}," in line
+    assert "static (float32): " in line and "static-int8 (int8): " in line and "at batch 4" in line
+
+
+def test_auto_never_serves_a_graph_that_fails_the_self_check(wrong_int8_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.graph_choice"):
+        runner = open_serving_graph(EngineConfig(bundle=wrong_int8_bundle, max_running=4, max_batch_tokens=64))
+    assert runner.graph_name == "static"
+    assert any("not serving static-int8" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_named_graph_wins_but_must_pass_the_self_check(wrong_int8_bundle):
+    assert open_serving_graph(EngineConfig(bundle=wrong_int8_bundle, graph="static")).graph_name == "static"
+    with pytest.raises(BundleError, match="graph 'static-int8' .* agrees with the fp32 graph 'static'"):
+        open_serving_graph(EngineConfig(bundle=wrong_int8_bundle, graph="static-int8"))
+
+
+def test_a_bundle_with_one_serving_graph_is_served_without_timing(engine_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.graph_choice"):
+        assert open_serving_graph(EngineConfig(bundle=engine_bundle)).graph_name == "static"
+    assert not any("graph choice" in r.getMessage() for r in caplog.records)
+
+
+def test_a_concat_graph_cannot_be_served(tiny_bundle):
+    with pytest.raises(BundleError, match="graph 'fp32' has a concat KV cache; this runner needs a static one"):
+        open_serving_graph(EngineConfig(bundle=tiny_bundle, graph="fp32"))
