@@ -8,20 +8,32 @@ from pathlib import Path
 
 import onnx
 
+from export.variants import INT8
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
-from service.bundle import GraphSpec, Manifest, ModelSpec, TensorSpec, decoder_io_names, sha256_file, static_io_names
+from service.bundle import (
+    GraphSpec,
+    Manifest,
+    ModelSpec,
+    TensorSpec,
+    WeightPrecision,
+    decoder_io_names,
+    sha256_file,
+    static_io_names,
+)
 
 GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx", "fp32": "model.onnx",
                "optimized": "model.opt.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 STATIC_VARIANTS = ("static", "static-int8")
+# weight precision of each variant; the others are float32
+WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "int8": INT8.weights, "fp16": "float16"}
 DESCRIPTIONS = {
     "static": "the serving graph: fp32, GroupQueryAttention over a fixed KV buffer updated in place",
-    "static-int8": "the serving graph with dynamic INT8 MatMul weights, for CPU",
+    "static-int8": "the serving graph with dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",
     "fp32": "the exported decoder, fp32",
     "optimized": "fp32 with onnxruntime's transformer fusions",
-    "int8": "dynamic INT8 MatMul weights, for CPU",
+    "int8": "dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",
     "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
 }
 
@@ -37,7 +49,8 @@ def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
     inputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in in_names[4:]]
     outputs = [TensorSpec(name="logits", dtype="float32", shape=["batch", "seq", "vocab"])]
     outputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in out_names[1:]]
-    return GraphSpec(file=GRAPH_FILES[variant], cache="static", dtype="float32", description=DESCRIPTIONS[variant],
+    return GraphSpec(file=GRAPH_FILES[variant], cache="static", dtype="float32",
+                     weights=WEIGHTS.get(variant, "float32"), description=DESCRIPTIONS[variant],
                      inputs=inputs, outputs=outputs)
 
 
@@ -54,8 +67,8 @@ def graph_spec(variant: str, n_layer: int) -> GraphSpec:
     inputs += [TensorSpec(name=n, dtype=dtype, shape=kv_in) for n in in_names[3:]]
     outputs = [TensorSpec(name="logits", dtype=dtype, shape=["batch", "seq", "vocab"])]
     outputs += [TensorSpec(name=n, dtype=dtype, shape=kv_out) for n in out_names[1:]]
-    return GraphSpec(file=GRAPH_FILES[variant], dtype=dtype, description=DESCRIPTIONS[variant],
-                     inputs=inputs, outputs=outputs)
+    return GraphSpec(file=GRAPH_FILES[variant], dtype=dtype, weights=WEIGHTS.get(variant, "float32"),
+                     description=DESCRIPTIONS[variant], inputs=inputs, outputs=outputs)
 
 
 def make_manifest(model: GPT, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,

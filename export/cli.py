@@ -26,7 +26,7 @@ from export.bundle_writer import (
 )
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
-from export.variants import convert_fp16, node_count, optimize, quantize_int8
+from export.variants import INT8, convert_fp16, node_count, optimize, quantize
 from model.checkpoint import load_model_dir
 from service.bundle import sha256_file, write_manifest
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--optimize", action="store_true", help="also write the standard graph with fusions applied")
-    p.add_argument("--int8", action="store_true", help="also write dynamic-INT8 graphs (CPU)")
+    p.add_argument("--int8", action="store_true", help="also write INT8 graphs (CPU; exact on every x86-64 CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
     p.add_argument("--no-fp32", dest="keep_fp32", action="store_false",
                    help="leave out the standard fp32 graph (its fused or INT8 forms stay; smaller bundle)")
@@ -62,13 +62,13 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
     variants = ["static", "fp32"]
     if int8:
-        quantize_int8(static, out / GRAPH_FILES["static-int8"])
+        quantize(static, out / GRAPH_FILES["static-int8"], INT8)
         variants.append("static-int8")
     if optimized:
         optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
         variants.append("optimized")
     if int8:
-        quantize_int8(fp32, out / GRAPH_FILES["int8"])
+        quantize(fp32, out / GRAPH_FILES["int8"], INT8)
         variants.append("int8")
     if fp16:
         convert_fp16(fp32, out / GRAPH_FILES["fp16"])

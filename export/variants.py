@@ -6,9 +6,15 @@ outputs, so the runner serves any of them unchanged.
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import onnx
+
+from service.bundle import WeightPrecision
 
 
 def optimize(src: Path, dst: Path, n_head: int, d_model: int) -> Path:
@@ -24,14 +30,67 @@ def optimize(src: Path, dst: Path, n_head: int, d_model: int) -> Path:
     return dst
 
 
-def quantize_int8(src: Path, dst: Path) -> Path:
-    """Dynamic INT8 quantisation of the MatMul weights, for CPU (activations stay fp32)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+@dataclass(frozen=True)
+class Quantization:
+    """One way to store the MatMul weights in fewer bits (the candidates of docs/onnx.md)."""
 
-    # contrib ops (GroupQueryAttention) defeat shape inference; their outputs are float
-    quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                     per_channel=True, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    name: str  # as the benchmark and docs/onnx.md call it
+    weights: WeightPrecision  # what the manifest records
+    method: Literal["dynamic", "blockwise"]  # dynamic: MatMulInteger with int8 activations; blockwise: MatMulNBits
+    weight_type: Literal["s8", "u8"] = "s8"  # dynamic only
+    reduce_range: bool = False  # dynamic only: 7-bit weights, so AVX2's 16-bit pair sums cannot saturate
+    bits: int = 8  # blockwise only
+    block_size: int = 32  # blockwise only: weights sharing one scale along the input dimension
+    accuracy_level: int = 0  # blockwise only: 0/1 fp32 compute, 4 int8 compute (onnxruntime's MatMulNBits)
+
+
+QUANTIZATIONS = {q.name: q for q in (
+    Quantization("u8s8", "int8", "dynamic"),
+    Quantization("u8u8", "int8", "dynamic", weight_type="u8"),
+    Quantization("u8s8-reduce-range", "int8", "dynamic", reduce_range=True),
+    Quantization("nbits8-fp32", "int8", "blockwise", bits=8, accuracy_level=1),
+    Quantization("nbits8-int8", "int8", "blockwise", bits=8, accuracy_level=4),
+    Quantization("nbits4-fp32", "int4", "blockwise", bits=4, accuracy_level=1),
+    Quantization("nbits4-int8", "int4", "blockwise", bits=4, accuracy_level=4),
+)}
+# what --int8 writes: u8s8 with 7-bit weights, whose pair sums fit AVX2's 16-bit intermediates, so every
+# CPU computes the same exact integer products (and VNNI and AMX keep their fast kernels); docs/onnx.md
+# has the measurements behind the choice
+INT8 = QUANTIZATIONS["u8s8-reduce-range"]
+
+
+def quantize(src: Path, dst: Path, q: Quantization = INT8) -> Path:
+    """Write `src` with its MatMul weights stored as `q` says; activations, logits and cache stay fp32."""
+    if q.method == "dynamic":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        # contrib ops (GroupQueryAttention) defeat shape inference; their outputs are float
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
+                         weight_type=QuantType.QInt8 if q.weight_type == "s8" else QuantType.QUInt8,
+                         reduce_range=q.reduce_range, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        return dst
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=q.block_size, is_symmetric=True, bits=q.bits,
+                                          accuracy_level=q.accuracy_level)
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=q.bits, block_size=q.block_size, is_symmetric=True,
+                                     accuracy_level=q.accuracy_level, algo_config=config)
+    with _quiet("onnxruntime.quantization"):
+        quantizer.process()
+    quantizer.model.save_model_to_file(str(dst), False)
     return dst
+
+
+@contextmanager
+def _quiet(logger: str):
+    """The quantizer logs a line per MatMul at INFO; keep its warnings."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def convert_fp16(src: Path, dst: Path) -> Path:

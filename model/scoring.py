@@ -44,3 +44,11 @@ def eval_batches(data: np.ndarray, n_ctx: int, max_windows: int | None = None):
 def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:
     """Convert a mean token NLL to bits per character of the underlying text."""
     return nats_per_token * n_tokens / n_chars / math.log(2.0)
+
+
+def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Summed negative log-likelihood (nats) of `targets` [...] under numpy `logits` [..., vocab]."""
+    z = logits.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    log_z = (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[..., 0]
+    return float((log_z - np.take_along_axis(z, targets[..., None], -1)[..., 0]).sum())

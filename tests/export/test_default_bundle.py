@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from export.bundle_writer import sha256_file
-from export.verify import verify, verify_static
+from export.verify import verify_static
 from model.checkpoint import load_model_dir
+from model.data import load_corpus
+from model.scoring import encode_documents, eval_batches, nll_sum
 from service.bundle import read_manifest
 from service.concat_runner import OnnxRunner
+from service.runner import ModelRunner
+from service.self_check import logits_at_every_position
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "shakespeare"
@@ -40,8 +47,61 @@ def test_default_graph_verifies_against_pytorch():
     assert report.passed, report.format()
 
 
+# Reduced precision is judged by what a user sees, with tolerances that hold on every x86-64 CPU
+# (docs/onnx.md has the per-CPU measurements): held-out bits/char and the top-1 token at every
+# position of held-out windows, against fp32. The fp32 graphs stay exact (the tests above).
+HELD_OUT_WINDOWS = 32
+MAX_BITS_PER_CHAR_COST = 0.02
+MIN_TOP1_AGREEMENT = 0.95
+
+
+@pytest.fixture(scope="module")
+def held_out() -> tuple[np.ndarray, np.ndarray, float]:
+    """(inputs, targets) [windows, n_ctx], an even spread of the held-out plays, and their characters per token."""
+    _, tokenizer = load_model_dir(MODEL_DIR)
+    corpus = load_corpus()
+    data = encode_documents(tokenizer, corpus.val)
+    n_ctx = read_manifest(BUNDLE_DIR).model.n_ctx
+    batches = [(x, y) for x, y in eval_batches(data, n_ctx, max_windows=HELD_OUT_WINDOWS) if x.shape[1] == n_ctx]
+    return np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches]), \
+        corpus.val_chars / (len(data) - 1)
+
+
+def compare(logits_of, reference_of, held_out) -> tuple[float, float]:
+    """(bits/char cost, top-1 agreement) of one logits function against another on the held-out windows."""
+    x, y, chars_per_token = held_out
+    cost = same = 0.0
+    for i in range(0, len(x), 8):
+        got, want = logits_of(x[i:i + 8]), reference_of(x[i:i + 8])
+        cost += nll_sum(got, y[i:i + 8]) - nll_sum(want, y[i:i + 8])
+        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+    return cost / y.size / chars_per_token / math.log(2), same / y.size
+
+
 @pytest.mark.slow
-def test_standard_graph_stays_close_to_pytorch():
+@pytest.mark.corpus
+def test_int8_serving_graph_keeps_held_out_quality(held_out):
+    manifest = read_manifest(BUNDLE_DIR)
+    assert manifest.graphs["static-int8"].weights == "int8"
+    int8, fp32 = (ModelRunner(BUNDLE_DIR, g, provider="cpu") for g in ("static-int8", "static"))
+    cost, top1 = compare(lambda x: logits_at_every_position(int8, x), lambda x: logits_at_every_position(fp32, x),
+                         held_out)
+    assert cost <= MAX_BITS_PER_CHAR_COST and top1 >= MIN_TOP1_AGREEMENT, (cost, top1)
+
+
+@pytest.mark.slow
+@pytest.mark.corpus
+def test_int8_standard_graph_keeps_held_out_quality(held_out):
     model, _ = load_model_dir(MODEL_DIR)
-    report = verify(model, OnnxRunner(BUNDLE_DIR, provider="cpu"), tol=0.5)  # INT8 weights
-    assert all(c.passed for c in report.checks if c.name != "greedy"), report.format()
+    runner = OnnxRunner(BUNDLE_DIR, graph="int8", provider="cpu")
+
+    def onnx_logits(x):
+        pos = np.broadcast_to(np.arange(x.shape[1]), x.shape)
+        return runner.step(x, pos, np.ones_like(x), runner.empty_cache(len(x)))[0]
+
+    def torch_logits(x):
+        with torch.no_grad():
+            return model(torch.from_numpy(x)).numpy()
+
+    cost, top1 = compare(onnx_logits, torch_logits, held_out)
+    assert cost <= MAX_BITS_PER_CHAR_COST and top1 >= MIN_TOP1_AGREEMENT, (cost, top1)

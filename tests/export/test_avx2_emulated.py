@@ -1,0 +1,78 @@
+"""The AVX2-only path, on whatever CPU runs the tests: onnxruntime under `qemu-x86_64 -cpu Haswell`.
+
+onnxruntime picks its integer matmul kernel from CPUID at run time. Under qemu's user-mode
+emulation of a Haswell it sees AVX2 without VNNI, AVX-512 or AMX, and takes the kernel whose u8s8
+pair sums saturate, even on a host that has VNNI. The child process below proves it took that path
+(a product that saturates there and nowhere else), then runs the start-up self-check of the
+shipped bundle's INT8 serving graph: the graph must stay right on such a CPU too.
+
+qemu-user is installed with apt-get when it is missing and this runs as root; CI fails without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from service.self_check import MIN_AGREEMENT
+
+ROOT = Path(__file__).resolve().parents[2]
+BUNDLE = ROOT / "models" / "shakespeare-onnx"
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np, onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    # 255 x 127 summed over 64 terms: exact integer kernels give 2072640; AVX2's VPMADDUBSW saturates
+    # each pair sum at 32767, giving 32 x 32767
+    k = 64
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "saturation",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])],
+        [numpy_helper.from_array(np.full((k, 1), 127, np.int8), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    product = int(session.run(None, {"a": np.full((1, k), 255, np.uint8)})[0].item())
+
+    from service.runner import ModelRunner
+    from service.self_check import check
+    result = check(ModelRunner(sys.argv[1], "static-int8", provider="cpu", intra_op_threads=1))
+    print(json.dumps({"product": product, "top1": result.top1, "positions": result.positions}))
+""")
+
+
+@pytest.fixture(scope="module")
+def qemu() -> str:
+    path = shutil.which("qemu-x86_64")
+    if path is None and shutil.which("apt-get") and os.geteuid() == 0:
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "qemu-user"]
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        if subprocess.run(install, capture_output=True, env=env).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+            subprocess.run(install, capture_output=True, env=env)
+        path = shutil.which("qemu-x86_64")
+    if path is None:
+        reason = "qemu-x86_64 is missing and could not be installed (Debian: apt-get install qemu-user)"
+        if os.environ.get("CI"):
+            pytest.fail(reason + ": CI must exercise the AVX2-only path")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.mark.slow
+def test_int8_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu):
+    out = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", CHILD, str(BUNDLE)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["product"] == 32 * 32767, "the emulated CPU did not take the AVX2 (saturating) kernel"
+    assert result["top1"] >= MIN_AGREEMENT["int8"] and result["positions"] >= 256
