@@ -8,7 +8,7 @@ import pytest
 
 from service.bundle import BundleError
 from service.config import EngineConfig
-from service.graph_choice import open_serving_graph
+from service.graph_choice import Candidate, choose, open_serving_graph
 
 
 def test_auto_measures_every_serving_graph_and_says_which_it_serves(tiny_bundle, caplog):
@@ -16,7 +16,7 @@ def test_auto_measures_every_serving_graph_and_says_which_it_serves(tiny_bundle,
         runner = open_serving_graph(EngineConfig(bundle=tiny_bundle, max_running=4, max_batch_tokens=64))
     assert runner.graph_name in ("static", "static-int8") and runner.kv is None
     [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
-    assert f"serving {runner.graph_name}," in line
+    assert f"serving {runner.graph_name} (" in line
     assert "static (float32): " in line and "static-int8 (int8): " in line and "at batch 4" in line
 
 
@@ -42,3 +42,27 @@ def test_a_bundle_with_one_serving_graph_is_served_without_timing(engine_bundle,
 def test_a_concat_graph_cannot_be_served(tiny_bundle):
     with pytest.raises(BundleError, match="graph 'fp32' has a concat KV cache; this runner needs a static one"):
         open_serving_graph(EngineConfig(bundle=tiny_bundle, graph="fp32"))
+
+
+class FakeRunner:
+    def __init__(self, name: str, weights: str):
+        self.graph_name, self.spec = name, type("Spec", (), {"weights": weights})()
+
+
+def candidate(name: str, weights: str, b1_ms: float, b32_ms: float) -> Candidate:
+    return Candidate(FakeRunner(name, weights), None, {1: b1_ms, 32: b32_ms})
+
+
+def test_the_fastest_wins_by_the_geometric_mean_of_its_step_times():
+    fp32, int8 = candidate("static", "float32", 2.0, 8.0), candidate("static-int8", "int8", 1.0, 8.0)
+    assert choose([fp32, int8]) is int8  # 2x at batch 1, even at 32: sqrt(2) faster overall
+    slow_at_32 = candidate("static-int8", "int8", 1.0, 40.0)
+    assert choose([fp32, slow_at_32]) is fp32  # 2x faster at batch 1 does not pay for 5x slower at 32
+
+
+def test_near_ties_go_to_the_more_precise_graph_so_restarts_agree():
+    fp32, int8 = candidate("static", "float32", 2.0, 8.0), candidate("static-int8", "int8", 1.9, 7.9)
+    assert choose([int8, fp32]) is fp32
+    int4 = candidate("static-int4", "int4", 1.0, 8.0)
+    int8_close = candidate("static-int8", "int8", 1.05, 8.0)
+    assert choose([int4, int8_close, fp32]) is int8_close

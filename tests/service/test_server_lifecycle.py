@@ -78,12 +78,14 @@ def test_drain_cancels_what_outlives_the_grace_period(engine_bundle):
         assert not engine.requests and engine.kv.free_slots == engine.kv.n_slots
 
 
+# decode slowed so that running requests are still running when a test looks (40 tokens: 2 s), even
+# on a loaded machine
 SLOW_SERVER = textwrap.dedent("""
     import sys, time
     from service.runner import ModelRunner
     decode = ModelRunner.decode
     def slow(self, ids, positions):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return decode(self, ids, positions)
     ModelRunner.decode = slow
     from service.server import main
@@ -144,14 +146,15 @@ def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
         with Client(address, timeout_s=60) as c:
             calls = [c.stub.GenerateStream(build_request(f"Rom. {i}", max_new_tokens=40, ignore_eos=True), timeout=60)
                      for i in range(8)]
-            firsts = [next(calls[i]) for i in range(4)]  # the running four have started
-            wait_until(lambda: c.server_info().requests_waiting == 4, what="four requests to queue")
+            # whichever four arrived first run; the others queue (the arrival order is the server's)
+            wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 4))(c.server_info()),
+                       what="four requests to run and four to queue")
             proc.send_signal(signal.SIGTERM)
             wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("Ham.", max_new_tokens=2)
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            results = [[*([firsts[i]] if i < 4 else []), *call] for i, call in enumerate(calls)]
+            results = [list(call) for call in calls]
         for msgs in results:
             assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
         _, err = proc.communicate(timeout=30)
