@@ -9,7 +9,9 @@ stops. With "auto", every static-cache graph of the bundle is a candidate:
 2. the rest decode `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
    `TIMING_ROUNDS` interleaved rounds (so a noisy neighbour slows every candidate alike);
 3. the one with the lowest geometric mean of its two median step times is served, and the log
-   names every candidate's times and agreement.
+   names every candidate's times and agreement. Candidates within `TIE_MARGIN` of the fastest
+   count as tied, and of those the most precise is served (fp32, then 8-bit, then 4-bit), so that
+   the choice, and with it the text a seed gives, does not flip between restarts on timing noise.
 
 Batch 1 is bound by reading the weights, a full batch by the matmuls; which graph wins each can
 differ by CPU, so the choice is measured where the server runs rather than fixed at export.
@@ -38,6 +40,8 @@ TIMING_ROUNDS = 3
 TIMING_STEPS = 4
 TIMING_PROMPT = 8  # tokens prefilled per row before the timed decode steps
 MAX_TIMING_BATCH = 32
+TIE_MARGIN = 0.10
+PRECISION_RANK = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}
 
 
 @dataclass
@@ -83,10 +87,17 @@ def open_serving_graph(config: EngineConfig) -> ModelRunner:
     if not candidates:
         raise BundleError(f"no graph of {config.bundle} passes the self-check on this CPU ({cpu_info().describe()})")
     time_decode(candidates, min(config.max_running, MAX_TIMING_BATCH))
-    best = min(candidates, key=lambda c: c.score)
-    log.info("graph choice on %s: serving %s, the lowest geometric mean of its step times; measured: %s",
-             cpu_info().describe(), best.runner.graph_name, "; ".join(c.describe() for c in candidates))
+    best = choose(candidates)
+    log.info("graph choice on %s: serving %s (the lowest geometric mean of the step times, or the most precise "
+             "within %.0f%% of it); measured: %s", cpu_info().describe(), best.runner.graph_name, 100 * TIE_MARGIN,
+             "; ".join(c.describe() for c in candidates))
     return best.runner
+
+
+def choose(candidates: list[Candidate]) -> Candidate:
+    fastest = min(c.score for c in candidates)
+    tied = [c for c in candidates if c.score <= fastest * (1 + TIE_MARGIN)]
+    return min(tied, key=lambda c: PRECISION_RANK[c.runner.spec.weights])
 
 
 def time_decode(candidates: list[Candidate], batch: int) -> None:

@@ -4,7 +4,9 @@ Two things can make a graph compute other numbers than the one that was verified
 - **reduced precision**: integer matmul kernels differ between CPUs. onnxruntime's u8s8 kernel on
   AVX2 without VNNI saturates its 16-bit pair sums, so the same INT8 graph is close to fp32 on one
   CPU and further off on another (see docs/onnx.md). Such a graph must agree with the bundle's fp32
-  graph, run on the CPU, on the most likely next token at `MIN_AGREEMENT` of the probe positions.
+  graph, run on the CPU, on the most likely next token at `MIN_AGREEMENT[weights]` of the probe
+  positions. The thresholds sit well below what a correct graph of that precision measures and
+  well above what a broken one does (docs/onnx.md has both).
 - **another execution provider** (CUDA): the KV cache is bound in host memory and written in place
   by the attention node, which holds only if onnxruntime places that node where it can write it. An
   fp32 graph there must reproduce the CPU's logits to `LOGIT_TOLERANCE` of the largest logit.
@@ -29,10 +31,12 @@ from service.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = 4
+PROBE_ROWS = 8
 PROBE_TOKENS = 64
 PROBE_SEED = 20240
-MIN_AGREEMENT = 0.9  # of the probe positions: the shipped INT8 graph agrees at >= 0.98 on every CPU measured
+# least top-1 agreement with fp32 on the probe, by weight precision. Measured on the default model
+# (docs/onnx.md): 8-bit formats 0.94-0.99, 4-bit 0.87; a graph of another model 0.1 or less
+MIN_AGREEMENT = {"int8": 0.90, "int4": 0.80, "float16": 0.95}
 LOGIT_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
 
 
@@ -95,11 +99,12 @@ def check(runner: ModelRunner, reference: ModelRunner | None = None) -> Agreemen
     reference = reference or open_reference(runner)
     result = agreement(runner, reference)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
-    if reduced and result.top1 < MIN_AGREEMENT:
+    least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
+    if reduced and result.top1 < least:
         raise BundleError(
             f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
             f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
-            f"positions (at least {MIN_AGREEMENT:.0%} is required); serve --graph {reference.graph_name}, or "
+            f"positions (at least {least:.0%} is required); serve --graph {reference.graph_name}, or "
             f"re-export the bundle with a current 'attnserve export --int8', whose weights compute alike on every CPU")
     if not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
         raise BundleError(

@@ -31,7 +31,7 @@ def test_an_int8_graph_that_follows_fp32_passes(tiny_bundle):
     runner = ModelRunner(tiny_bundle, "static-int8", provider="cpu")
     result = check(runner)
     assert result.positions == PROBE_ROWS * PROBE_TOKENS
-    assert MIN_AGREEMENT <= result.top1 and 0 < result.max_abs_diff  # close, yet not the fp32 graph renamed
+    assert MIN_AGREEMENT["int8"] <= result.top1 and 0 < result.max_abs_diff  # close, yet not the fp32 graph renamed
     assert runner.kv is None  # nothing left attached: the engine attaches its own cache
 
 
@@ -42,8 +42,8 @@ def test_a_reduced_graph_that_parts_from_fp32_is_refused_in_one_line(wrong_int8_
     message = str(e.value)
     assert "\n" not in message
     measured = agreement(runner, ModelRunner(wrong_int8_bundle, "static", provider="cpu")).top1
-    assert measured < MIN_AGREEMENT
-    for part in ("graph 'static-int8'", cpu_info().describe(), f"only {measured:.1%}", f"{MIN_AGREEMENT:.0%}",
+    assert measured < MIN_AGREEMENT["int8"]
+    for part in ("graph 'static-int8'", cpu_info().describe(), f"only {measured:.1%}", f"{MIN_AGREEMENT['int8']:.0%}",
                  "--graph static", "attnserve export --int8"):
         assert part in message
 
