@@ -11,6 +11,7 @@ BENCHES = {
     "compare": ("bench.compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table"),
     "soak": ("bench.soak", "a mixed load for minutes: server memory, throughput and errors over time"),
     "onnx-variants": ("bench.onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
+    "quantization": ("bench.quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),
 }
 
 

@@ -1,6 +1,7 @@
 """`attnserve bench compare`: attnserve against the peers a user would otherwise pick, in one run.
 
     attnserve bench compare [--batches 1,8,32] [--repeats 3]
+    attnserve bench compare --batches 1,2 --new-tokens 4 --repeats 1 --skip transformers,optimum --no-write  # seconds
 
 On the default model, with the same prompts (random ids from --seed, --prompt-tokens long) and
 exactly --new-tokens greedy tokens per sequence, it measures in turn:
@@ -8,14 +9,14 @@ exactly --new-tokens greedy tokens per sequence, it measures in turn:
    directory (`attnserve export-hf`), at each batch size;
 2. optimum's `ORTModelForCausalLM.generate` on the same directory, in its own virtualenv
    (`make bench-peers`; skipped with a note when it is missing);
-3. the attnserve engine in-process (all sequences submitted at once);
-4. attnserve over gRPC: `attnserve serve` in a child process and one streaming client per
-   sequence (`bench.serve`), each sending --requests-per-client requests.
+3. the attnserve engine in-process (all sequences submitted at once), on the graph it chooses;
+4. attnserve over gRPC: `attnserve serve` in a child process, pinned to the same graph, and one
+   streaming client per sequence (`bench.serve`), each sending --requests-per-client requests.
 Each round runs every system once at every batch size, and the rounds repeat --repeats times, so
 slow drifts of the machine fall on every system alike; the table shows medians and the ratios
 between them. Peers run in their own processes with their default thread count (one per core).
-It writes docs/bench/compare.json, docs/bench/compare.png and the compare section of
-docs/BENCHMARKS.md.
+It writes docs/bench/compare.json, docs/bench/compare.png (or both into --out) and the compare
+section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -112,13 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-python", type=Path, default=PEERS_PYTHON,
                    help="interpreter of the peers' virtualenv, with optimum (make bench-peers)")
     p.add_argument("--skip", default="", help="systems to leave out, comma-separated (transformers, optimum)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and the plot go")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = p.parse_args(argv)
-    try:
-        from model.export_hf import export_hf  # torch and safetensors, to write the peers' GPT-2 directory
-    except ImportError as e:
-        print(f"attnserve bench compare needs the development install (make install): {e}", file=sys.stderr)
-        return 2
     from bench.server_process import ServerProcess
     from service.config import EngineConfig
     from service.engine import Engine
@@ -132,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     if "transformers" not in skip and importlib.util.find_spec("transformers") is None:
         skip.add("transformers")
         notes["transformers"] = "not measured: transformers is not installed here (make install)"
+    peers = [backend for backend in ("transformers", "optimum") if backend not in skip]
+    if peers:
+        try:
+            from model.export_hf import export_hf  # torch and safetensors, to write the peers' GPT-2 directory
+        except ImportError as e:
+            print(f"attnserve bench compare needs the development install (make install): {e}", file=sys.stderr)
+            return 2
     engine = Engine(EngineConfig(bundle=args.bundle, max_running=max(64, max(sizes)),
                                  max_batch_tokens=max(512, max(sizes) * (args.prompt_tokens + 1))))
+    graph = engine.runner.graph_name  # the server serves the same graph, not one it may choose otherwise
     engine.warm_up()
     vocab = engine.model.vocab_size
     batches = {b: prompts_for(b, args.prompt_tokens, vocab, args.seed) for b in sizes}
@@ -142,16 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     versions: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="attnserve-compare-") as tmp:
         tmp = Path(tmp)
-        hf_dir = export_hf(args.model, tmp / "hf")
+        hf_dir = export_hf(args.model, tmp / "hf") if peers else None
         spec = tmp / "prompts.json"
         spec.write_text(json.dumps({"new_tokens": args.new_tokens, "repeats": 1,
                                     "batches": {str(b): batches[b] for b in sizes}}))
+        pythons = {"transformers": Path(sys.executable), "optimum": args.peers_python}
         for rnd in range(args.repeats):
             print(f"round {rnd + 1}/{args.repeats}", flush=True)
-            for backend, python in (("transformers", Path(sys.executable)), ("optimum", args.peers_python)):
-                if backend in skip:
-                    continue
-                r = run_peer(backend, python, hf_dir, tmp / "optimum-onnx", spec)
+            for backend in peers:
+                r = run_peer(backend, pythons[backend], hf_dir, tmp / "optimum-onnx", spec)
                 versions[backend] = r["versions"]
                 for b in sizes:
                     runs[backend][b] += r["tokens_per_s"][str(b)]
@@ -160,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs["attnserve in-process"][b].append(tps)
             print(f"  {'attnserve in-process':22s}", " ".join(f"b{b}={runs['attnserve in-process'][b][-1]:7.0f}"
                                                               for b in sizes), flush=True)
-            with ServerProcess(["serve", "--bundle", str(args.bundle), "--max-running", str(max(64, max(sizes)))]) \
-                    as srv:
+            with ServerProcess(["serve", "--bundle", str(args.bundle), "--graph", graph,
+                                "--max-running", str(max(64, max(sizes)))]) as srv:
                 grpc_runs = run_grpc(srv.address, batches, args.new_tokens, args.requests_per_client)
             for b, r in grpc_runs.items():
                 runs["attnserve gRPC"][b].append(r["tokens_per_s"])
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [{"system": s, "batch": b, "tokens_per_s": statistics.median(v), "runs": v}
             for s, by_b in runs.items() for b, v in by_b.items()]
-    result = {"machine": describe(), "versions": versions, "prompt_tokens": args.prompt_tokens,
+    result = {"machine": describe(), "bundle": args.bundle.name, "graph": graph, "versions": versions,
+              "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
               "requests_per_client": args.requests_per_client, "rows": rows, "notes": notes,
               "targets": evaluate(rows), "ttft": ttft_check(latency)}
@@ -181,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         from bench.plots import compare_plot
 
-        publish("compare", result, md)
-        compare_plot(rows, RESULTS_DIR)
+        publish("compare", result, md, args.out)
+        compare_plot(rows, args.out)
     return 0
 
 
@@ -217,11 +222,12 @@ def render(r: dict, argv: list[str] | None) -> str:
     sizes = sorted({row["batch"] for row in r["rows"]})
     systems = list(dict.fromkeys(row["system"] for row in r["rows"]))
     lines = ["## attnserve against the peers, one run", "",
-             f"`{cmd}` on {machine_line(r['machine'])}; {peers}.", "",
-             f"The default model, {r['prompt_tokens']}-token prompts (the same ids for every system), exactly "
-             f"{r['new_tokens']} greedy new tokens per sequence. Generated tokens/s, the median of {r['repeats']} "
-             "rounds (each round runs every system at every size); gRPC is N concurrent streams, each sending "
-             f"{r['requests_per_client']} requests, counted over the window in which all N are busy.", "",
+             f"`{cmd}` on {machine_line(r['machine'])}" + (f"; {peers}." if peers else "."), "",
+             f"Bundle `{r['bundle']}` (attnserve serves its graph `{r['graph']}`), {r['prompt_tokens']}-token prompts "
+             f"(the same ids for every system), exactly {r['new_tokens']} greedy new tokens per sequence. "
+             f"Generated tokens/s, the median of {r['repeats']} rounds (each round runs every system at every "
+             f"size); gRPC is N concurrent streams, each sending {r['requests_per_client']} requests, counted over "
+             "the window in which all N are busy.", "",
              "| system | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for s in systems:
         lines.append(f"| {s} | " + " | ".join(f"{median_of(r['rows'], s, b):.0f}" for b in sizes) + " |")

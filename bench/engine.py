@@ -1,16 +1,18 @@
 """`attnserve bench engine`: the engine in-process, with no gRPC in the way.
 
-    attnserve bench engine [--bundle models/shakespeare-onnx] [--concurrency 1,8,32,64]
+    attnserve bench engine [--bundle models/shakespeare-onnx] [--graphs static,static-int8] [--concurrency 1,8,32,64]
+    attnserve bench engine --concurrency 1,2 --new-tokens 4 --repeats 1 --contexts 16,32 --no-write   # seconds
 
 Three measurements in one run:
 1. throughput: `c` requests of 16 random prompt tokens submitted at once, 128 greedy new tokens
-   each (ignore_eos), for each concurrency c; generated tokens / wall time, median of --repeats;
-2. decode step time at batch 32 against context length (64, 256, 512, 1024), on a graph of the
-   same shape with random weights and a 1024-token context (the default model's is shorter);
+   each (ignore_eos), for each concurrency c and each serving graph (--graphs, default every
+   static-cache graph of the bundle); generated tokens / wall time, median of --repeats;
+2. decode step time at batch 32 against context length (64, 256, 512, 1024), on an fp32 graph of
+   the same shape with random weights and a 1024-token context (the default model's is shorter);
 3. the fraction of the matmul ceiling: tokens/s x 2 x matmul parameters against the GFLOP/s of an
    fp32 1024x1024 matmul measured in the same run.
 
-Writes docs/bench/engine.json and the engine section of docs/BENCHMARKS.md.
+Writes docs/bench/engine.json (or into --out) and the engine section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from service.bundle import read_manifest
 from service.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine import Engine
 from service.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -66,23 +69,31 @@ def throughput(engine: Engine, concurrency: int, prompt_tokens: int, new_tokens:
     return generated / elapsed
 
 
-def long_context_bundle(bundle: Path, n_ctx: int, out: Path) -> Path:
-    """A random-weight model of the bundle's shape with a longer context (needs torch)."""
+def random_bundle(bundle: Path, out: Path, **shape) -> Path:
+    """A random-weight model of the bundle's shape, changed by `shape` (GPTConfig fields such as n_ctx,
+    n_layer, d_model, vocab_size), as one fp32 static-cache graph named "static", with the bundle's
+    tokenizer (needs torch). For speed only: its text means nothing."""
     import shutil
 
+    from export.bundle_writer import static_graph_spec
     from export.static_cache_graph import export_static_cache_decoder
     from model.config import GPTConfig
     from model.gpt import GPT
-    from service.bundle import read_manifest, write_manifest
+    from service.bundle import write_manifest
 
     manifest = read_manifest(bundle)
     m = manifest.model
-    model = GPT(GPTConfig(vocab_size=m.vocab_size, n_ctx=n_ctx, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model))
+    fields = dict(vocab_size=m.vocab_size, n_ctx=m.n_ctx, n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model)
+    fields.update(shape)
+    model = GPT(GPTConfig(**fields))
+    spec = static_graph_spec("static", model.config.n_layer)
     out.mkdir(parents=True, exist_ok=True)
-    export_static_cache_decoder(model, out / manifest.graphs["static"].file)
+    export_static_cache_decoder(model, out / spec.file)
     shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
-    manifest.model.n_ctx = n_ctx
-    manifest.graphs = {"static": manifest.graphs["static"]}
+    c = model.config
+    manifest.model = manifest.model.model_copy(update=dict(vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer,
+                                                           n_head=c.n_head, d_model=c.d_model, d_head=c.d_head))
+    manifest.graphs = {"static": spec}
     manifest.default_graph = "static"
     write_manifest(out, manifest)
     return out
@@ -118,20 +129,25 @@ def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, th
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
-    p.add_argument("--graphs", default="static,static-int8", help="serving graphs to measure, comma-separated")
+    p.add_argument("--graphs", help="serving graphs to measure, comma-separated (default: every static-cache "
+                                    "graph of the bundle)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contexts", default="64,256,512,1024")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = one per core)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    graphs = args.graphs.split(",") if args.graphs else [
+        name for name, spec in read_manifest(args.bundle).graphs.items() if spec.cache == "static"]
+    if not graphs:
+        p.error(f"{args.bundle} has no static-cache graph to serve")
 
     machine = describe()
     ceiling = matmul_gflops()
-    graphs = args.graphs.split(",")
     rows = []
     for graph in graphs:
         config = EngineConfig(bundle=args.bundle, graph=graph, max_running=max(levels), threads=args.threads,
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     contexts = [int(c) for c in args.contexts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        long_bundle = long_context_bundle(args.bundle, max(contexts), Path(tmp) / "long")
+        long_bundle = random_bundle(args.bundle, Path(tmp) / "long", n_ctx=max(contexts))
         steps = decode_step_ms(long_bundle, contexts, batch=32, steps=40, threads=args.threads)  # fp32 graph
     for ctx, ms in steps.items():
         print(f"batch 32, context {ctx:>4}: {ms:6.2f} ms/step, {32 / ms * 1e3:7.0f} tok/s")
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        publish("engine", result, md)
+        publish("engine", result, md, args.out)
     return 0
 
 
@@ -182,7 +198,9 @@ def render(r: dict, argv: list[str] | None) -> str:
         for row in mine:
             lines.append(f"| `{graph}` | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
                          f"{row['tokens_per_s'] / base:.1f}× | {row['ceiling_fraction']:.0%} |")
-    lines += ["", "Decode step at batch 32 against context length (same shape, random weights, 1024-token context):",
+    longest = max(int(ctx) for ctx in r["decode_step_ms_batch32"])
+    lines += ["", f"Decode step at batch 32 against context length (same shape, fp32, random weights, {longest}-token "
+                  "context):",
               "", "| context | ms/step | tokens/s | × context 64 |", "|---|---|---|---|"]
     s64 = r["decode_step_ms_batch32"].get(64)
     for ctx, ms in r["decode_step_ms_batch32"].items():

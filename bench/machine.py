@@ -1,15 +1,20 @@
-"""What a benchmark ran on, and where its results go."""
+"""What a benchmark ran on, and where its results go.
+
+`describe()` is the machine as JSON: the CPU as `service.cpu` sees it (model, cores, and the flags
+that select onnxruntime's kernels), the Python, onnxruntime and numpy versions, the OS.
+`machine_line()` is the same in one line, for each benchmark's BENCHMARKS.md section.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import platform
-import re
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+from service.cpu import CpuInfo, cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DOC = ROOT / "docs" / "BENCHMARKS.md"
@@ -17,32 +22,29 @@ RESULTS_DIR = ROOT / "docs" / "bench"
 
 
 def describe() -> dict:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        cpu = re.search(r"model name\s*:\s*(.+)", text)[1].strip()
-    except (OSError, TypeError):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "numpy": np.__version__, "os": platform.platform()}
+    return {**cpu_info().as_dict(), "python": platform.python_version(), "onnxruntime": ort.__version__,
+            "numpy": np.__version__, "os": platform.platform()}
 
 
 def machine_line(m: dict) -> str:
-    return (f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, onnxruntime {m['onnxruntime']}, "
-            f"numpy {m['numpy']}")
+    """E.g. 'AMD EPYC, 2 cores, avx2 (no avx512f, ...); Python 3.11.7, onnxruntime 1.32.0, numpy 2.4.6'."""
+    cpu = CpuInfo(m["cpu"], m["cores"], tuple(m["cpu_flags"])).describe()
+    return f"{cpu}; Python {m['python']}, onnxruntime {m['onnxruntime']}, numpy {m['numpy']}"
 
 
-def publish(name: str, result: dict, markdown: str, out: Path = RESULTS_DIR) -> None:
+def publish(name: str, result: dict, markdown: str, out: Path = RESULTS_DIR,
+            docs: tuple[Path, ...] = (BENCH_DOC,)) -> None:
     """Write `<out>/<name>.json` and, for the standard results folder, the `name` section of
-    BENCHMARKS.md. Plots go next to the JSON (each benchmark draws its own)."""
+    BENCHMARKS.md (and of any other of `docs`). Plots go next to the JSON (each benchmark draws its own)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    if out == RESULTS_DIR:
-        write_section(name, markdown)
+    if out.resolve() == RESULTS_DIR:
+        for doc in docs:
+            write_section(name, markdown, doc)
 
 
 def write_section(name: str, markdown: str, doc: Path = BENCH_DOC) -> None:
-    """Replace the block between `<!-- bench:name -->` and `<!-- /bench:name -->` in BENCHMARKS.md."""
+    """Replace the block between `<!-- bench:name -->` and `<!-- /bench:name -->` in `doc`."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = f"{start}\n{markdown.rstrip()}\n{end}"

@@ -3,6 +3,7 @@
     attnserve bench serve --server localhost:50051 --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128
     attnserve bench serve --bundle models/shakespeare-onnx ...    # start a server for the run, then stop it
     attnserve bench serve --server ... --mixed                     # prompts 8-512, new tokens 16-256 (seeded)
+    attnserve bench serve --bundle ... --concurrency 1,2 --new-tokens 4 --requests-per-client 1 --no-write  # seconds
 
 For each concurrency c it opens c streaming clients on one channel, each sending
 `--requests-per-client` requests one after another, with `ignore_eos` so that every request
@@ -11,7 +12,8 @@ request when client 0's first request is i/c of the way through, so arrivals are
 steady load rather than in lock-step waves. It reports generated tokens/s and requests/s over the
 steady window (every client busy; `bench.stats`), TTFT p50/p90/p99, inter-token latency p50/p99,
 end-to-end p50/p99 and errors by status code, and writes docs/bench/serve[-mixed].json, the
-serve section of docs/BENCHMARKS.md and PNG plots next to the JSON.
+serve section of docs/BENCHMARKS.md and PNG plots next to the JSON. The server serves the graph it
+chooses (`--server-arg=--graph=NAME` to pin one); the results name it.
 
 `--noop-check` first drives a no-op server (`bench.noop_server`) with the same clients at the
 highest concurrency: the tokens/s the client side takes in there bounds its own overhead.
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     noop = noop_check(args, max(levels)) if args.noop_check else None
     if args.server:
         results = run_levels(args.server, args, levels)
+        graph = asyncio.run(model_info(args.server)).graph
         server = args.server
     else:
         from bench.server_process import ServerProcess
@@ -195,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                       *args.server_arg]
         with ServerProcess(serve_args) as srv:
             results = run_levels(srv.address, args, levels)
+            graph = asyncio.run(model_info(srv.address)).graph
         server = f"attnserve serve --bundle {bundle.name} {' '.join(args.server_arg)}".strip()
 
-    result = {"machine": describe(), "server": server, "workload": "mixed" if args.mixed else "fixed",
+    result = {"machine": describe(), "server": server, "graph": graph, "workload": "mixed" if args.mixed else "fixed",
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "requests_per_client": args.requests_per_client, "seed": args.seed, "stagger": not args.no_stagger,
               "levels": [level.to_dict() for level in results], "noop": noop}
@@ -219,7 +223,7 @@ def render(r: dict, argv: list[str] | None) -> str:
             f"{r['seed']} (clipped to the context)" if r["workload"] == "mixed"
             else f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens")
     lines = [f"## gRPC load ({r['workload']} workload)", "",
-             f"`{cmd}` on {machine_line(r['machine'])}; server: `{r['server']}`.", "",
+             f"`{cmd}` on {machine_line(r['machine'])}; server: `{r['server']}`, serving graph `{r['graph']}`.", "",
              f"{what}, greedy, ignore_eos; {r['requests_per_client']} requests per client, clients "
              f"{'staggered' if r['stagger'] else 'started at once'}. Throughput over the steady window "
              "(every client busy); latencies over all requests.", "",

@@ -2,6 +2,7 @@
 
     attnserve bench soak [--minutes 10] [--concurrency 16] [--bundle models/shakespeare-onnx]
     attnserve bench soak --server HOST:PORT --pid PID       # watch a running server instead
+    attnserve bench soak --minutes 0.1 --interval 1 --concurrency 2 --no-write   # a few seconds, to try it
 
 It starts `attnserve serve` (or watches a running server whose process id is given), then keeps
 `--concurrency` streaming clients busy with the mixed workload (prompts of 8-512 tokens, 16-256
@@ -10,7 +11,8 @@ records the server's resident memory (VmRSS), the tokens and requests completed 
 sample, and errors by status code. A leak shows as RSS that keeps climbing after warm-up; the
 target is flat within ±10% of its median after the first minute, and no errors at all.
 
-Writes docs/bench/soak.json, docs/bench/soak.png and the soak section of docs/BENCHMARKS.md.
+Writes docs/bench/soak.json, docs/bench/soak.png (or both into --out) and the soak section of
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ async def soak(address: str, pid: int, seconds: float, concurrency: int, interva
                 last = now
 
         await asyncio.gather(sampler(), *(client(c) for c in range(concurrency)))
-    return {"samples": samples, "errors": dict(errors)}
+    return {"graph": info.graph, "samples": samples, "errors": dict(errors)}
 
 
 def verdict(samples: list[dict], errors: dict) -> dict:
@@ -129,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"start a server on this bundle (default {DEFAULT_BUNDLE.name})")
     p.add_argument("--server", help="a running server instead (needs --pid, to read its memory)")
     p.add_argument("--pid", type=int, help="process id of --server")
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and the plot go")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = p.parse_args(argv)
     if args.server and not args.pid:
         p.error("--server needs --pid (the soak reads the server's memory from /proc)")
     seconds = args.minutes * 60
+    if seconds < args.interval:
+        p.error(f"--minutes {args.minutes:g} is shorter than one --interval ({args.interval:g} s): no sample")
     if args.server:
         raw = asyncio.run(soak(args.server, args.pid, seconds, args.concurrency, args.interval, args.seed))
         server = args.server
@@ -149,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result, argv)
     print(md)
     if not args.no_write:
-        publish("soak", result, md)
-        plot(result, RESULTS_DIR)
+        publish("soak", result, md, args.out)
+        plot(result, args.out)
     v = result["verdict"]
     return 0 if v["rss_flat"] and v["no_errors"] else 1
 
@@ -161,7 +166,7 @@ def render(r: dict, argv: list[str] | None) -> str:
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     return "\n".join([
         "## Soak", "",
-        f"`{cmd}` on {machine_line(r['machine'])}; server: `{r['server']}`.", "",
+        f"`{cmd}` on {machine_line(r['machine'])}; server: `{r['server']}`, serving graph `{r['graph']}`.", "",
         f"{r['concurrency']} streaming clients on the mixed workload (prompts 8–512 tokens, 16–256 new tokens, "
         f"seeded, clipped to the context) for {r['minutes']:g} minutes; the server's RSS and the throughput "
         f"sampled every {r['interval_s']:g} s.", "",

@@ -1,0 +1,51 @@
+"""Every `attnserve bench <what>` runs end to end on a tiny bundle, in seconds, and names the machine.
+
+A benchmark registered in `bench.cli.BENCHES` without quick arguments in `QUICK` fails here: each
+one must have a form that runs on any bundle, not only on the shipped one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cli import BENCHES, main
+from bench.machine import describe, machine_line
+
+# placeholders: {bundle} the tiny bundle (every graph variant), {model} its model directory, {out} a temp folder
+QUICK = {
+    "engine": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
+               "--contexts", "16,32", "--out", "{out}"],
+    "serve": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--requests-per-client", "1",
+              "--out", "{out}"],
+    "compare": ["--model", "{model}", "--bundle", "{bundle}", "--batches", "1,2", "--new-tokens", "4",
+                "--repeats", "1", "--requests-per-client", "1", "--skip", "transformers,optimum", "--out", "{out}"],
+    "soak": ["--bundle", "{bundle}", "--minutes", "0.05", "--interval", "1", "--concurrency", "2", "--out", "{out}"],
+    "onnx-variants": ["--bundle", "{bundle}", "--repeats", "1", "--out", "{out}"],  # no --quality: needs the corpus
+    "quantization": ["--bundle", "{bundle}", "--quick", "--out", "{out}"],
+}
+SLOW = {"engine", "serve", "compare", "soak"}  # start a server, or export a graph with torch
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+                                  for name in BENCHES])
+def test_every_bench_runs_quickly_on_a_tiny_bundle(name, tiny_bundle, tiny_model_dir, tmp_path, capsys):
+    assert name in QUICK, f"bench {name!r} has no quick arguments: add them to QUICK"
+    out = tmp_path / "results"
+    args = [a.format(bundle=tiny_bundle, model=tiny_model_dir, out=out) for a in QUICK[name]]
+
+    assert main([name, *args]) == 0
+
+    assert machine_line(describe()) in capsys.readouterr().out  # the markdown names the CPU and its flags
+    results = list(out.glob("*.json"))
+    assert results, f"{name} wrote no JSON into {out}"
+    assert all(names_machine(json.loads(path.read_text()), describe()) for path in results)
+
+
+def names_machine(result, machine: dict) -> bool:
+    """Whether `machine` is somewhere in the JSON (top level, or per run for results that keep several)."""
+    if result == machine:
+        return True
+    children = result.values() if isinstance(result, dict) else result if isinstance(result, list) else ()
+    return any(names_machine(child, machine) for child in children)
