@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-peers bench soak clean
+.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench soak clean
 
 help:
 	@echo "make serve      serve the shipped default model over gRPC on localhost:50051 (metrics on :9464)"
@@ -15,6 +15,7 @@ help:
 	@echo "make train      retrain the default model (about 30 minutes on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
+	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
 	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
 	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
@@ -52,7 +53,11 @@ bundle: install
 
 bench-onnx: install
 	$(BIN)/attnserve export $(MODEL) -o runs/bundle-all --optimize --int8 --fp16
-	$(BIN)/python -m bench.onnx_variants --bundle runs/bundle-all --quality
+	$(BIN)/attnserve bench onnx-variants --bundle runs/bundle-all --quality
+
+bench-quantization: install
+	$(BIN)/attnserve bench quantization
+	$(BIN)/attnserve bench quantization --gpt2-shape
 
 PEERS := .venv-peers
 $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
