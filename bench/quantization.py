@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -41,6 +40,7 @@ from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, 
 from bench.onnx_variants import held_out_bits_per_char, held_out_ids
 from service.bundle import read_manifest, write_manifest
 from service.config import DEFAULT_BUNDLE
+from service.graph_choice import decode_step_ms
 from service.kv_cache import KVCache
 from service.runner import ModelRunner
 from service.self_check import agreement, logits_at_every_position, probe_sequences
@@ -83,19 +83,6 @@ def greedy(runner: ModelRunner, prompts: np.ndarray, new_tokens: int) -> np.ndar
     return out
 
 
-def decode_ms(runner: ModelRunner, batch: int, steps: int) -> list[float]:
-    runner.attach(KVCache(replace(runner.cache_shape, max_seq=16 + steps + 1), batch))
-    ids = runner.prefill_batch(0, [[(5 * r + t) % runner.vocab_size for t in range(16)] for r in range(batch)])
-    ids = ids.argmax(-1)
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
-        ids = runner.decode(ids, np.full(batch, 16 + step)).argmax(-1)
-        times.append(1000 * (time.perf_counter() - started))
-    runner.kv = None
-    return times[1:]  # the first is a warm-up
-
-
 FULL = dict(windows=None, prompts=16, prompt_tokens=16, new_tokens=64)
 QUICK = dict(windows=8, prompts=4, prompt_tokens=8, new_tokens=16)
 EMULATED = dict(QUICK, windows=4)  # under emulation, which runs 30-100x slower
@@ -131,7 +118,7 @@ def measure_speed(bundle: Path, graphs: list[str], quick: bool, threads: int) ->
     for _ in range(rounds):
         for g, runner in runners.items():
             for b in BATCHES:
-                samples[g, b] += decode_ms(runner, b, steps)
+                samples[g, b] += decode_step_ms(runner, b, steps, prompt_tokens=16)
     return {g: {f"decode_ms_b{b}": statistics.median(samples[g, b]) for b in BATCHES} for g in graphs}
 
 

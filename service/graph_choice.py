@@ -65,7 +65,7 @@ def open_serving_graph(config: EngineConfig) -> ModelRunner:
     def open_(name: str | None) -> ModelRunner:
         return ModelRunner(config.bundle, name, config.providers, config.threads)
 
-    if config.graph not in (None, AUTO_GRAPH):
+    if config.graph != AUTO_GRAPH:
         runner = open_(config.graph)
         check(runner)
         return runner
@@ -107,23 +107,25 @@ def time_decode(candidates: list[Candidate], batch: int) -> None:
     for _ in range(TIMING_ROUNDS):
         for i, c in enumerate(candidates):
             for b in sizes:
-                samples[i, b] += _decode_times(c.runner, b)
+                samples[i, b] += decode_step_ms(c.runner, b, TIMING_STEPS)
     for i, c in enumerate(candidates):
-        c.step_ms = {b: 1000 * statistics.median(samples[i, b]) for b in sizes}
+        c.step_ms = {b: statistics.median(samples[i, b]) for b in sizes}
 
 
-def _decode_times(runner: ModelRunner, batch: int) -> list[float]:
-    positions = TIMING_PROMPT + TIMING_STEPS + 1
+def decode_step_ms(runner: ModelRunner, batch: int, steps: int, prompt_tokens: int = TIMING_PROMPT) -> list[float]:
+    """Times (ms) of `steps` greedy decode steps at `batch` rows after a `prompt_tokens` prefill, on a
+    short cache of its own, after one untimed warm-up step."""
+    positions = prompt_tokens + steps + 1
     runner.attach(KVCache(replace(runner.cache_shape, max_seq=positions), batch))
     try:
         vocab = runner.vocab_size
-        prompts = [[(7 * row + t) % vocab for t in range(TIMING_PROMPT)] for row in range(batch)]
+        prompts = [[(7 * row + t) % vocab for t in range(prompt_tokens)] for row in range(batch)]
         ids = runner.prefill_batch(0, prompts).argmax(-1)
         times = []
-        for step in range(TIMING_STEPS + 1):  # the first step is a warm-up
+        for step in range(steps + 1):
             started = time.perf_counter()
-            ids = runner.decode(ids, np.full(batch, TIMING_PROMPT + step)).argmax(-1)
-            times.append(time.perf_counter() - started)
+            ids = runner.decode(ids, np.full(batch, prompt_tokens + step)).argmax(-1)
+            times.append(1000 * (time.perf_counter() - started))
         return times[1:]
     finally:
         runner.kv = None
