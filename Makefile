@@ -6,12 +6,14 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench soak clean
+.PHONY: help install test test-serving lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench soak clean
 
 help:
 	@echo "make serve      serve the shipped default model over gRPC on localhost:50051 (metrics on :9464)"
 	@echo "make generate   sample text from the shipped default model in-process"
-	@echo "make test       run the whole test suite (sets up .venv first)"
+	@echo "make test       run the whole test suite (sets up .venv first), then the serving lane"
+	@echo "make test-serving  the engine, runtime, server and CLI tests in .venv-serving: the serving install"
+	@echo "                only (no torch), as the container has it, on the shipped bundle"
 	@echo "make train      retrain the default model (about 30 minutes on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
@@ -31,6 +33,40 @@ install: $(BIN)/.installed
 
 test: install
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-serving
+
+# The serving lane: attnserve installed as the image installs it (pip install of the sources the Dockerfile
+# copies, not editable, no extras: no torch, no onnx, no transformers), and the engine, runtime, server and
+# CLI tests run against that installed copy on the shipped bundle. PYTHONSAFEPATH keeps the working
+# directory off sys.path (in the test processes and in the servers and CLIs they start) and
+# --import-mode=append puts the tree after site-packages, so `service` and `attnserve` are the installed
+# ones and only `tests` comes from the tree. Tests that need torch to build a model are skipped, each
+# with its reason in the report. Test tools: pytest, and cryptography for the TLS tests.
+SERVING         := .venv-serving
+SERVING_BIN     := $(SERVING)/bin
+SERVING_SOURCES := pyproject.toml README.md attnserve service model export bench
+SERVING_TESTS   ?= tests/engine tests/runtime tests/fronts tests/client tests/test_cli.py
+
+# What the Dockerfile uninstalls from the image once attnserve is in (but pip and setuptools, which install
+# the sources again below): the server must run without them.
+IMAGE_REMOVES   := huggingface_hub hf_xet fsspec pyyaml httpx2 httpcore2 anyio h11 idna click tqdm filelock truststore
+
+# the dependencies (the sources are installed again, without them, on every run)
+$(SERVING_BIN)/.installed: pyproject.toml constraints.txt Dockerfile
+	rm -rf $(SERVING)
+	$(PYTHON) -m venv $(SERVING)
+	mkdir -p $(SERVING)/src && cp -R $(SERVING_SOURCES) $(SERVING)/src/
+	$(SERVING_BIN)/pip install --quiet -c constraints.txt $(SERVING)/src pytest cryptography
+	$(SERVING_BIN)/pip uninstall --quiet -y $(IMAGE_REMOVES)
+	touch $@
+
+test-serving: $(SERVING_BIN)/.installed
+	rm -rf $(SERVING)/src && mkdir -p $(SERVING)/src && cp -R $(SERVING_SOURCES) $(SERVING)/src/
+	$(SERVING_BIN)/pip install --quiet --no-deps --force-reinstall $(SERVING)/src
+	PYTHONSAFEPATH=1 $(SERVING_BIN)/python -c 'import importlib.util as u, sys; \
+		found = [m for m in ("torch", "onnx", "transformers") if u.find_spec(m)]; \
+		sys.exit("$(SERVING) has " + ", ".join(found) + ": the serving install must not pull them in" if found else 0)'
+	PYTHONSAFEPATH=1 $(SERVING_BIN)/python -m pytest --import-mode=append --serving-bundle $(BUNDLE) $(SERVING_TESTS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -77,4 +113,4 @@ soak: install
 	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(SERVING) .pytest_cache .ruff_cache .hypothesis

@@ -12,14 +12,17 @@ import sys
 COMMANDS = {
     "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
-    "health": ("service.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
-    "generate": ("service.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
+    "health": ("service.client.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
+    "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
     "export-hf": ("model.export_hf", "write a model directory as a Hugging Face GPT-2 directory"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
     "bench": ("bench.cli", "run a benchmark (engine, serve, compare, ...) and record it in docs/BENCHMARKS.md"),
 }
+# packages of the optional extras (pyproject.toml), and the extra that brings each
+EXTRAS = {"torch": "train", "safetensors": "train", "tqdm": "train", "matplotlib": "train", "onnx": "export",
+          "onnx_ir": "export", "transformers": "dev"}
 
 
 def usage() -> str:
@@ -39,7 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"attnserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in EXTRAS:
+            raise
+        extra = EXTRAS[e.name.split(".")[0]]
+        print(f"attnserve {name}: needs {e.name.split('.')[0]}, which this install lacks (the serving install "
+              f"leaves it out); install the extra: pip install 'attnserve[{extra}]'", file=sys.stderr)
+        return 2
     return module.main(rest)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from bench import workload
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish
 from bench.stats import summarize
-from service.config import DEFAULT_BUNDLE
+from service.engine.config import DEFAULT_BUNDLE
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEER_SCRIPT = ROOT / "bench" / "peers" / "generate.py"
@@ -67,7 +67,7 @@ def run_peer(backend: str, python: Path, hf_dir: Path, onnx_dir: Path, spec_path
 
 
 def run_in_process(engine, batches: dict[int, list[list[int]]], new_tokens: int) -> dict[int, float]:
-    from service.request import GenerationRequest, SamplingParams, StoppingCriteria
+    from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 
     out = {}
     for b, prompts in batches.items():
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = p.parse_args(argv)
     from bench.server_process import ServerProcess
-    from service.config import EngineConfig
-    from service.engine import Engine
+    from service.engine.config import EngineConfig
+    from service.engine.core import Engine
 
     sizes = [int(b) for b in args.batches.split(",")]
     skip = {s for s in args.skip.split(",") if s}

@@ -10,7 +10,10 @@ Three measurements in one run:
 2. decode step time at batch 32 against context length (64, 256, 512, 1024), on an fp32 graph of
    the same shape with random weights and a 1024-token context (the default model's is shorter);
 3. the fraction of the matmul ceiling: tokens/s x 2 x matmul parameters against the GFLOP/s of an
-   fp32 1024x1024 matmul measured in the same run.
+   fp32 1024x1024 matmul measured in the same run;
+4. the sampler's share of a decode step at a large vocabulary (--sampler-vocab, default 50257, GPT-2's),
+   on a random-weight model of the bundle's shape with that vocabulary: greedy, sampled (temperature
+   0.8, top-p 0.95), and sampled with logprobs (top 5), at batch 1 and 32.
 
 Writes docs/bench/engine.json (or into --out) and the engine section of docs/BENCHMARKS.md.
 """
@@ -26,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
-from service.bundle import read_manifest
-from service.config import DEFAULT_BUNDLE, EngineConfig
-from service.engine import Engine
-from service.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.config import DEFAULT_BUNDLE, EngineConfig
+from service.engine.core import Engine
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.runtime.bundle import read_manifest
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 30) -> float:
@@ -79,7 +82,7 @@ def random_bundle(bundle: Path, out: Path, **shape) -> Path:
     from export.static_cache_graph import export_static_cache_decoder
     from model.config import GPTConfig
     from model.gpt import GPT
-    from service.bundle import write_manifest
+    from service.runtime.bundle import write_manifest
 
     manifest = read_manifest(bundle)
     m = manifest.model
@@ -100,16 +103,12 @@ def random_bundle(bundle: Path, out: Path, **shape) -> Path:
 
 
 def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, threads: int) -> dict[int, float]:
-    from service.kv_cache import KVCache
-    from service.runner import ModelRunner
+    from service.runtime.static_runner import StaticRunner
 
-    runner = ModelRunner(bundle, provider="cpu", intra_op_threads=threads)
-    kv = KVCache(runner.cache_shape, batch)
-    runner.attach(kv)
+    runner = StaticRunner(bundle, provider="cpu", intra_op_threads=threads)
+    runner.attach(runner.cache_shape.buffers(batch))
     rng = np.random.default_rng(0)
     vocab = runner.vocab_size
-    for i in range(batch):
-        kv.allocate(i)
     result = {}
     for ctx in contexts:
         for first in range(0, batch, 4):  # fill every slot to `ctx` positions
@@ -126,6 +125,59 @@ def decode_step_ms(bundle: Path, contexts: list[int], batch: int, steps: int, th
     return result
 
 
+SAMPLER_WORKLOADS = {
+    "greedy": dict(sampling=dict(temperature=0.0)),
+    "top-p 0.95, T 0.8": dict(sampling=dict(temperature=0.8, top_p=0.95)),
+    "top-p + top-5 logprobs": dict(sampling=dict(temperature=0.8, top_p=0.95), top_logprobs=5),
+}
+
+
+def sampler_share(bundle: Path, batches: list[int], steps: int, threads: int) -> list[dict]:
+    """Median decode step time and the part of it spent sampling, per workload and batch size."""
+    import service.engine.core as core
+
+    spent: list[float] = []
+    original = core.sample
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = original(*args, **kwargs)
+        spent.append(time.perf_counter() - t)
+        return out
+
+    core.sample = timed
+    try:
+        engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=max(batches), threads=threads,
+                                     max_batch_tokens=max(512, max(batches) * 9)))
+        engine.warm_up()
+        rng = np.random.default_rng(0)
+        rows = []
+        for name, workload in SAMPLER_WORKLOADS.items():
+            for batch in batches:
+                for i in range(batch):
+                    request = GenerationRequest(f"{name}-{batch}-{i}", rng.integers(1, 1000, 8).tolist(),
+                                                SamplingParams(seed=i, **workload["sampling"]),
+                                                StoppingCriteria(max_new_tokens=steps + 1, ignore_eos=True),
+                                                top_logprobs=workload.get("top_logprobs", 0))
+                    engine.add(engine.new_request(request))
+                engine.step()  # the prefill
+                step_times, sample_times = [], []
+                while engine.has_work:
+                    spent.clear()
+                    t = time.perf_counter()
+                    engine.step()
+                    step_times.append(time.perf_counter() - t)
+                    sample_times.append(sum(spent))
+                step_ms, sample_ms = statistics.median(step_times) * 1e3, statistics.median(sample_times) * 1e3
+                rows.append({"workload": name, "batch": batch, "step_ms": step_ms, "sample_ms": sample_ms,
+                             "share": sample_ms / step_ms})
+                print(f"vocab {engine.model.vocab_size}, {name:<24} batch {batch:>2}: step {step_ms:6.2f} ms, "
+                      f"sampling {sample_ms:5.2f} ms ({sample_ms / step_ms:.0%})")
+        return rows
+    finally:
+        core.sample = original
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
@@ -136,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contexts", default="64,256,512,1024")
+    p.add_argument("--sampler-vocab", type=int, default=50257, help="vocabulary of the sampler-share model")
+    p.add_argument("--sampler-steps", type=int, default=48, help="decode steps per sampler-share row")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = one per core)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
@@ -168,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         long_bundle = random_bundle(args.bundle, Path(tmp) / "long", n_ctx=max(contexts))
         steps = decode_step_ms(long_bundle, contexts, batch=32, steps=40, threads=args.threads)  # fp32 graph
+        wide_bundle = random_bundle(args.bundle, Path(tmp) / "wide", vocab_size=args.sampler_vocab)
+        sampler = sampler_share(wide_bundle, [1, 32], args.sampler_steps, args.threads)
     for ctx, ms in steps.items():
         print(f"batch 32, context {ctx:>4}: {ms:6.2f} ms/step, {32 / ms * 1e3:7.0f} tok/s")
 
     by_c = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["graph"] == graphs[0]}
     result = {"machine": machine, "matmul_gflops": ceiling, "flops_per_token": flops_per_token, "graphs": graphs,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "throughput": rows, "decode_step_ms_batch32": steps,
+              "throughput": rows, "decode_step_ms_batch32": steps, "sampler_vocab": args.sampler_vocab,
+              "sampler_share": sampler,
               "ratio_ctx512_vs_64": steps[64] / steps[512] if 64 in steps and 512 in steps else None,
               "ratio_c32_vs_c1": by_c[32] / by_c[1] if 1 in by_c and 32 in by_c else None}
     md = render(result, argv)
@@ -206,6 +263,13 @@ def render(r: dict, argv: list[str] | None) -> str:
     for ctx, ms in r["decode_step_ms_batch32"].items():
         rel = f"{s64 / ms:.2f}×" if s64 else "—"
         lines.append(f"| {ctx} | {ms:.2f} | {32 / ms * 1e3:.0f} | {rel} |")
+    if r.get("sampler_share"):
+        lines += ["", f"The sampler's share of a decode step at a {r['sampler_vocab']}-token vocabulary (same shape, "
+                      "fp32, random weights; medians over the steps):", "",
+                  "| workload | batch | step ms | sampling ms | share |", "|---|---|---|---|---|"]
+        for row in r["sampler_share"]:
+            lines.append(f"| {row['workload']} | {row['batch']} | {row['step_ms']:.2f} | {row['sample_ms']:.2f} | "
+                         f"{row['share']:.0%} |")
     return "\n".join(lines) + "\n"
 
 

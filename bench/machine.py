@@ -1,6 +1,6 @@
 """What a benchmark ran on, and where its results go.
 
-`describe()` is the machine as JSON: the CPU as `service.cpu` sees it (model, cores, and the flags
+`describe()` is the machine as JSON: the CPU as `service.runtime.cpu` sees it (model, cores, and the flags
 that select onnxruntime's kernels), the Python, onnxruntime and numpy versions, the OS.
 `machine_line()` is the same in one line, for each benchmark's BENCHMARKS.md section.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from service.cpu import CpuInfo, cpu_info
+from service.runtime.cpu import CpuInfo, cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DOC = ROOT / "docs" / "BENCHMARKS.md"

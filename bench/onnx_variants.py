@@ -4,8 +4,8 @@
     attnserve bench onnx-variants --bundle ... --repeats 1 --no-write      # seconds, without --quality
 
 Each graph runs through the runner of its cache layout: static-cache graphs through the serving
-runner (`service.runner.ModelRunner`, on a KV cache of its own), concat-cache graphs through the
-reference runner (`service.concat_runner.OnnxRunner`). Latency: a 16-token prompt, then 64 greedy
+runner (`service.runtime.static_runner.StaticRunner`, on a KV cache of its own), concat-cache graphs through the
+reference runner (`service.runtime.concat_runner.ConcatRunner`). Latency: a 16-token prompt, then 64 greedy
 decode steps at batch 1 (fewer if the context is shorter); the median step time over --repeats runs.
 Quality (--quality): bits/char on the held-out plays through onnxruntime, scored exactly as training
 scores PyTorch (`model.scoring`), each window in one forward pass that returns every position's logits.
@@ -27,13 +27,12 @@ import numpy as np
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from model.data import load_corpus
 from model.scoring import bits_per_char, encode_documents, eval_batches, nll_sum
-from model.tokenizer import Tokenizer
-from service.bundle import GraphSpec, read_manifest
-from service.concat_runner import OnnxRunner
-from service.config import DEFAULT_BUNDLE
-from service.kv_cache import KVCache
-from service.runner import ModelRunner
-from service.self_check import logits_at_every_position
+from service.engine.config import DEFAULT_BUNDLE
+from service.runtime.bundle import GraphSpec, read_manifest
+from service.runtime.concat_runner import ConcatRunner
+from service.runtime.self_check import logits_at_every_position
+from service.runtime.static_runner import StaticRunner
+from service.runtime.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 16
 DECODE_STEPS = 64
@@ -43,12 +42,12 @@ class StaticGraph:
     """A static-cache graph through the serving runner."""
 
     def __init__(self, bundle: Path, name: str, threads: int):
-        self.runner = ModelRunner(bundle, name, provider="cpu", intra_op_threads=threads)
+        self.runner = StaticRunner(bundle, name, provider="cpu", intra_op_threads=threads)
         self.tokenizer, self.model = self.runner.tokenizer, self.runner.manifest.model
 
     def prefill(self, prompt: list[int]) -> np.ndarray:
         """A fresh one-slot cache holding `prompt`; the last position's logits [vocab]."""
-        self.runner.attach(KVCache(self.runner.cache_shape, 1))
+        self.runner.attach(self.runner.cache_shape.buffers(1))
         return self.runner.prefill_batch(0, [prompt])[0]
 
     def decode(self, token: int, position: int) -> np.ndarray:
@@ -62,7 +61,7 @@ class ConcatGraph:
     """A concat-cache graph through the reference runner."""
 
     def __init__(self, bundle: Path, name: str, threads: int):
-        self.runner = OnnxRunner(bundle, graph=name, provider="cpu", intra_op_threads=threads)
+        self.runner = ConcatRunner(bundle, graph=name, provider="cpu", intra_op_threads=threads)
         self.tokenizer, self.model = self.runner.tokenizer, self.runner.manifest.model
         self.cache: list[np.ndarray] = []
 

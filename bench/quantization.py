@@ -7,7 +7,7 @@ and measured against it, on this CPU:
 - held-out bits/char: the held-out plays scored as training scores them (`model.scoring`);
 - greedy agreement: 16 prompts cut from the held-out text, 64 greedy tokens each; how many of the
   continuations are identical to fp32's, and the mean number of tokens before the first difference;
-- top-1 agreement on the start-up self-check's probe (`service.self_check`);
+- top-1 agreement on the start-up self-check's probe (`service.runtime.self_check`);
 - decode step time at batch 1 and 32 against fp32, in interleaved rounds, medians.
 
 `--gpt2-shape` measures speed alone, on random weights of GPT-2 124M's shape (12 layers, 768 wide,
@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -38,12 +37,11 @@ import numpy as np
 
 from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish
 from bench.onnx_variants import held_out_bits_per_char, held_out_ids
-from service.bundle import read_manifest, write_manifest
-from service.config import DEFAULT_BUNDLE
-from service.graph_choice import decode_step_ms
-from service.kv_cache import KVCache
-from service.runner import ModelRunner
-from service.self_check import agreement, logits_at_every_position, probe_sequences
+from service.engine.config import DEFAULT_BUNDLE
+from service.runtime.bundle import read_manifest, write_manifest
+from service.runtime.graph_choice import decode_step_ms
+from service.runtime.self_check import agreement, logits_at_every_position, probe_sequences
+from service.runtime.static_runner import StaticRunner
 
 ONNX_DOC = ROOT / "docs" / "onnx.md"  # the tables also stand where the format is chosen
 REFERENCE = "fp32"
@@ -70,16 +68,15 @@ def candidate_bundle(bundle: Path, out: Path, names: list[str]) -> list[str]:
     return list(graphs)
 
 
-def greedy(runner: ModelRunner, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+def greedy(runner: StaticRunner, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
     rows, length = prompts.shape
-    runner.attach(KVCache(replace(runner.cache_shape, max_seq=length + new_tokens), rows))
-    logits = runner.prefill_batch(0, prompts.tolist())
     out = np.zeros((rows, new_tokens), dtype=np.int64)
-    for t in range(new_tokens):
-        out[:, t] = logits.argmax(-1)
-        if t + 1 < new_tokens:
-            logits = runner.decode(out[:, t], np.full(rows, length + t))
-    runner.kv = None
+    with runner.scratch_cache(rows, length + new_tokens):
+        logits = runner.prefill_batch(0, prompts.tolist())
+        for t in range(new_tokens):
+            out[:, t] = logits.argmax(-1)
+            if t + 1 < new_tokens:
+                logits = runner.decode(out[:, t], np.full(rows, length + t))
     return out
 
 
@@ -92,7 +89,7 @@ def measure_quality(bundle: Path, graphs: list[str], threads: int, held_out: tup
                     windows: int | None, prompts: int, prompt_tokens: int, new_tokens: int) -> dict[str, dict]:
     """Quality columns of every graph: bits/char over `windows` windows of the held-out ids (None: all
     of them), greedy runs of `new_tokens` from `prompts` prompts cut from them, and the probe."""
-    runners = {g: ModelRunner(bundle, g, provider="cpu", intra_op_threads=threads) for g in graphs}
+    runners = {g: StaticRunner(bundle, g, provider="cpu", intra_op_threads=threads) for g in graphs}
     ref = runners[REFERENCE]
     data, n_ctx = held_out[0], ref.manifest.model.n_ctx
     starts = np.linspace(0, len(data) - prompt_tokens - 1, prompts).astype(int)
@@ -112,7 +109,7 @@ def measure_quality(bundle: Path, graphs: list[str], threads: int, held_out: tup
 
 
 def measure_speed(bundle: Path, graphs: list[str], quick: bool, threads: int) -> dict[str, dict]:
-    runners = {g: ModelRunner(bundle, g, provider="cpu", intra_op_threads=threads) for g in graphs}
+    runners = {g: StaticRunner(bundle, g, provider="cpu", intra_op_threads=threads) for g in graphs}
     rounds, steps = (1, 3) if quick else (5, 16)
     samples = {(g, b): [] for g in graphs for b in BATCHES}
     for _ in range(rounds):
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             source = random_bundle(args.bundle, Path(tmp) / "gpt2-shape", **GPT2_SHAPE)
         work = Path(tmp) / "candidates"
         graphs = candidate_bundle(source, work, args.candidates.split(","))
-        held_out = held_out_ids(ModelRunner(work, REFERENCE, provider="cpu").tokenizer)
+        held_out = held_out_ids(StaticRunner(work, REFERENCE, provider="cpu").tokenizer)
         rows = {g: {} for g in graphs} if args.gpt2_shape else measure_quality(
             work, graphs, args.threads, held_out, **(QUICK if args.quick else FULL))
         for g, speed in measure_speed(work, graphs, args.quick, args.threads).items():
@@ -226,7 +223,7 @@ def render(result: dict) -> str:
     lines = ["### Reduced-precision candidates, per CPU", "",
              "Each CPU's figures stand alone: times from different CPUs are not comparable. Greedy: 16 prompts "
              "from the held-out text, 64 tokens each, against the fp32 graph. Probe top-1: what the start-up "
-             "self-check measures (`service/self_check.py`).", ""]
+             "self-check measures (`service/runtime/self_check.py`).", ""]
     for run in result["runs"].values():
         lines += [render_run(run), ""]
     return "\n".join(lines)

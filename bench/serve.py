@@ -36,8 +36,8 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from bench.stats import RequestRecord, Summary, summarize
-from service.client import CHANNEL_OPTIONS
-from service.config import DEFAULT_BUNDLE
+from service.client.grpc_client import CHANNEL_OPTIONS
+from service.engine.config import DEFAULT_BUNDLE
 
 
 @dataclass

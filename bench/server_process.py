@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from service.health_probe import check
+from service.client.health_probe import check
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from bench.serve import DEFAULT_BUNDLE, model_info, to_request
-from service.client import CHANNEL_OPTIONS
+from service.client.grpc_client import CHANNEL_OPTIONS
 
 WARM_UP_S = 60.0
 

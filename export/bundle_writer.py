@@ -11,8 +11,7 @@ import onnx
 from export.variants import INT8
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
-from model.tokenizer import Tokenizer
-from service.bundle import (
+from service.runtime.bundle import (
     GraphSpec,
     Manifest,
     ModelSpec,
@@ -22,6 +21,7 @@ from service.bundle import (
     sha256_file,
     static_io_names,
 )
+from service.runtime.tokenizer import Tokenizer
 
 GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx", "fp32": "model.onnx",
                "optimized": "model.opt.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}

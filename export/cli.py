@@ -28,7 +28,7 @@ from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import INT8, convert_fp16, node_count, optimize, quantize
 from model.checkpoint import load_model_dir
-from service.bundle import sha256_file, write_manifest
+from service.runtime.bundle import sha256_file, write_manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verify:
         return 0
     from export.verify import verify, verify_static
-    from service.concat_runner import OnnxRunner
+    from service.runtime.concat_runner import ConcatRunner
 
     model, _ = load_model_dir(args.model_dir)
     report = verify_static(model, args.out, "static", tol=args.tol)
     print(report.format())
     ok = report.passed
     for v in (v for v in variants if v in ("fp32", "optimized")):
-        report = verify(model, OnnxRunner(args.out, graph=v, provider="cpu"), tol=args.tol)
+        report = verify(model, ConcatRunner(args.out, graph=v, provider="cpu"), tol=args.tol)
         print(report.format())
         ok &= report.passed
     return 0 if ok else 1

@@ -22,13 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from model.gpt import GPT
-from service.bundle import decoder_io_names
+from service.runtime.bundle import decoder_io_names
 
 DEFAULT_OPSET = 17
 
 
 class ConcatKVCache:
-    """A `KVCache` stand-in for export: past tensors in, concatenated present tensors out."""
+    """A `BatchKVCache` stand-in for export: past tensors in, concatenated present tensors out."""
 
     def __init__(self, past: list[tuple[Tensor, Tensor]]):
         self.past = past

@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from model.gpt import GPT
-from service.bundle import static_io_names
+from service.runtime.bundle import static_io_names
 
 STATIC_OPSET = 17
 MS_DOMAIN = "com.microsoft"

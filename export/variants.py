@@ -14,7 +14,7 @@ from typing import Literal
 
 import onnx
 
-from service.bundle import WeightPrecision
+from service.runtime.bundle import WeightPrecision
 
 
 def optimize(src: Path, dst: Path, n_head: int, d_model: int) -> Path:

@@ -1,6 +1,6 @@
 """Check an exported bundle against PyTorch on fresh inputs, shaped unlike the ones used for tracing.
 
-Three checks, each through the serving runner (`service.concat_runner.OnnxRunner`):
+Three checks, each through the serving runner (`service.runtime.concat_runner.ConcatRunner`):
 - prefill: batch 5 x 33 tokens, left-padded rows of mixed lengths;
 - decode: batch 2 with a left-padded past of 100 positions, one new token;
 - greedy: a 64-token greedy continuation, token for token.
@@ -17,7 +17,7 @@ import torch
 
 from model.generate import generate
 from model.gpt import GPT
-from service.concat_runner import OnnxRunner
+from service.runtime.concat_runner import ConcatRunner
 
 
 @dataclass
@@ -66,7 +66,7 @@ def max_diff(a: np.ndarray, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def check_prefill(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol: float) -> Check:
+def check_prefill(model: GPT, runner: ConcatRunner, rng: np.random.Generator, tol: float) -> Check:
     lengths = [33, 1, 20, 33, 7]
     ids, mask = left_padded(rng, lengths, model.config.vocab_size)
     pos = positions(mask)
@@ -77,7 +77,7 @@ def check_prefill(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol:
 
 
 @torch.no_grad()
-def check_decode(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol: float) -> Check:
+def check_decode(model: GPT, runner: ConcatRunner, rng: np.random.Generator, tol: float) -> Check:
     lengths = [100, 61]
     ids, mask = left_padded(rng, lengths, model.config.vocab_size)
     pos = positions(mask)
@@ -99,7 +99,7 @@ def check_decode(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol: 
 
 
 @torch.no_grad()
-def check_greedy(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol: float, n_new: int = 64) -> Check:
+def check_greedy(model: GPT, runner: ConcatRunner, rng: np.random.Generator, tol: float, n_new: int = 64) -> Check:
     prompt = rng.integers(0, model.config.vocab_size, 8).tolist()
     want_tokens = generate(model, [prompt], n_new, temperature=0.0)[0]
 
@@ -121,7 +121,7 @@ def check_greedy(model: GPT, runner: OnnxRunner, rng: np.random.Generator, tol: 
                  f"{n_new} tokens, {'identical' if same else 'DIFFERENT'} to PyTorch")
 
 
-def verify(model: GPT, runner: OnnxRunner, tol: float = 1e-4, seed: int = 0) -> Report:
+def verify(model: GPT, runner: ConcatRunner, tol: float = 1e-4, seed: int = 0) -> Report:
     if model.config.n_ctx < 101 + 1:
         raise ValueError(f"verification needs a context of at least 102 positions, the model has {model.config.n_ctx}")
     rng = np.random.default_rng(seed)
@@ -141,13 +141,12 @@ def verify(model: GPT, runner: OnnxRunner, tol: float = 1e-4, seed: int = 0) -> 
 def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e-4, seed: int = 0) -> Report:
     """The static-cache graph through the engine's runner: batched prefill of mixed lengths into
     slots, a chunked prefill, decode steps, a slot move, and a 64-token greedy run, all vs PyTorch."""
-    from service.kv_cache import KVCache
-    from service.runner import ModelRunner
+    from service.runtime.static_runner import StaticRunner
 
     rng = np.random.default_rng(seed)
-    runner = ModelRunner(bundle_dir, graph, provider="cpu")
-    kv = KVCache(runner.cache_shape, 4)
-    runner.attach(kv)
+    runner = StaticRunner(bundle_dir, graph, provider="cpu")
+    buffers = runner.cache_shape.buffers(4)
+    runner.attach(buffers)
     report = Report(graph, tol)
     vocab = model.config.vocab_size
 
@@ -155,14 +154,11 @@ def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e
         return model(torch.tensor([seq]))[0, -1]
 
     seqs = [rng.integers(0, vocab, n).tolist() for n in (33, 1, 20)]
-    for i in range(3):
-        kv.allocate(i)
     got = runner.prefill_batch(0, seqs)
     d = max(max_diff(got[i], want(s)) for i, s in enumerate(seqs))
     report.checks.append(Check("prefill", d, d <= tol, "batch 3, lengths [33, 1, 20], one slot each"))
 
     long = rng.integers(0, vocab, 100).tolist()
-    kv.allocate(3)
     for start in range(0, 100, 40):
         got = runner.prefill(3, long[start:start + 40], start)
     d = max_diff(got[-1], want(long))
@@ -176,9 +172,9 @@ def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e
         for s, t in zip(seqs, new, strict=True):
             s.append(int(t))
         got = runner.decode(new, pos)
-        kv.lengths[:4] = pos + 1
         worst = max(worst, max(max_diff(got[i], want(s)) for i, s in enumerate(seqs)))
-    kv.release(0)  # slot 3 moves into slot 0
+    for b in buffers:  # slot 3 moves into slot 0 (its live prefix only), as the engine moves a slot into a hole
+        b[0, :, :len(seqs[3])] = b[3, :, :len(seqs[3])]
     seqs = [seqs[3], seqs[1], seqs[2]]
     new = rng.integers(0, vocab, 3)
     pos = np.array([len(s) for s in seqs])
@@ -190,9 +186,6 @@ def verify_static(model: GPT, bundle_dir, graph: str = "static", tol: float = 1e
 
     prompt = rng.integers(0, vocab, 8).tolist()
     want_tokens = generate(model, [prompt], 64, temperature=0.0)[0]
-    for slot in range(kv.used - 1, -1, -1):
-        kv.release(slot)
-    kv.allocate(0)
     logits = runner.prefill_batch(0, [prompt])[0]
     tokens, seq = [], list(prompt)
     for _ in range(64):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.tokenizer import Tokenizer
+from service.runtime.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

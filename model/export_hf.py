@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from model.checkpoint import TOKENIZER_FILE, load_model_dir
 from model.config import GPTConfig
 from model.import_hf import BLOCK_MAP, TOP_MAP
-from model.tokenizer import EOS_TOKEN
+from service.runtime.tokenizer import EOS_TOKEN
 
 HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 

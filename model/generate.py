@@ -2,7 +2,7 @@
 
     attnserve generate-local "Rom." --model models/shakespeare     # or: python -m model.generate ...
 
-Prompts of different lengths are left-padded into one batch and decoded from a `KVCache`.
+Prompts of different lengths are left-padded into one batch and decoded from a `BatchKVCache`.
 Serving does not use this module; it runs the exported ONNX graph.
 """
 

@@ -5,7 +5,7 @@ one to one onto Hugging Face GPT-2 (see `import_hf.py`), with our Linear weights
 (out, in) where GPT-2's Conv1D stores (in, out).
 
 `forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
-`KVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.
+`BatchKVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention, causal_mask
 from model.config import GPTConfig
-from model.kv_cache import KVCache
+from model.kv_cache import BatchKVCache
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -54,7 +54,7 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None, kv_cache: KVCache | None, layer: int) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, kv_cache: BatchKVCache | None, layer: int) -> Tensor:
         q, k, v = self.attn.project_qkv(self.ln_1(x))  # (B, H, T, D) each
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, H, past + T, D)
@@ -97,10 +97,10 @@ class GPT(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> BatchKVCache:
         c = self.config
         p = self.tok_emb.weight
-        return KVCache(c.n_layer, batch_size, c.n_head, c.d_head, max_len or c.n_ctx, p.dtype, p.device)
+        return BatchKVCache(c.n_layer, batch_size, c.n_head, c.d_head, max_len or c.n_ctx, p.dtype, p.device)
 
     def forward(
         self,
@@ -108,7 +108,7 @@ class GPT(nn.Module):
         *,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: BatchKVCache | None = None,
     ) -> Tensor:
         """input_ids (B, T) -> logits (B, T, vocab).
 

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.tokenizer import Tokenizer
+from service.runtime.tokenizer import Tokenizer
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 
-class KVCache:
+class BatchKVCache:
     def __init__(self, n_layer: int, batch_size: int, n_head: int, d_head: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         shape = (n_layer, batch_size, n_head, max_len, d_head)

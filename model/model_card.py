@@ -7,7 +7,7 @@ from pathlib import Path
 
 from model.data import SDIST, VAL_PLAYS
 from model.gpt import GPT
-from model.tokenizer import Tokenizer
+from service.runtime.tokenizer import Tokenizer
 
 SAMPLE_PROMPT = "Rom."
 

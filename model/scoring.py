@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from model.tokenizer import Tokenizer
+from service.runtime.tokenizer import Tokenizer
 
 EVAL_BATCH = 16  # windows per forward pass
 

@@ -1,21 +1,16 @@
-"""Byte-level BPE tokenizer: trained with Hugging Face `tokenizers`, saved as `tokenizer.json`.
+"""Training the byte-level BPE tokenizer that the default model uses (Hugging Face `tokenizers`).
 
-Byte-level means every UTF-8 string (emoji, CJK, control characters) encodes and decodes back
-exactly: the base alphabet is all 256 bytes, so nothing is ever unknown. `<|endoftext|>` separates
-documents and ends a generation.
-
-This module needs only `tokenizers`, never torch: the server uses it as it is.
+The trained tokenizer is a `service.runtime.tokenizer.Tokenizer`, the class export and serving share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-EOS_TOKEN = "<|endoftext|>"
+from service.runtime.tokenizer import EOS_TOKEN
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
@@ -32,39 +27,3 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
-
-
-class Tokenizer:
-    """Thin wrapper over a `tokenizers.Tokenizer` with the ids the model needs."""
-
-    def __init__(self, hf: HFTokenizer, eos_id: int | None = None):
-        """eos_id defaults to the id of `<|endoftext|>`."""
-        self.hf = hf
-        if eos_id is None:
-            eos_id = hf.token_to_id(EOS_TOKEN)
-            if eos_id is None:
-                raise ValueError(f"tokenizer has no end-of-sequence token {EOS_TOKEN!r}")
-        elif hf.id_to_token(eos_id) is None:
-            raise ValueError(f"eos id {eos_id} is outside the tokenizer's vocabulary")
-        self.eos_id = eos_id
-
-    @classmethod
-    def from_file(cls, path: str | Path, eos_id: int | None = None) -> Tokenizer:
-        return cls(HFTokenizer.from_file(str(path)), eos_id)
-
-    def save(self, path: str | Path) -> None:
-        self.hf.save(str(path))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        """Text -> ids. A literal `<|endoftext|>` in `text` maps to the EOS id, as in `tokenizers`."""
-        return self.hf.encode(text, add_special_tokens=False, is_pretokenized=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

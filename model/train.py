@@ -31,7 +31,8 @@ from model.config import GPTConfig
 from model.data import VAL_PLAYS, Corpus, load_corpus
 from model.gpt import GPT
 from model.scoring import bits_per_char, encode_documents, eval_batches
-from model.tokenizer import Tokenizer, train_bpe
+from model.tokenizer import train_bpe
+from service.runtime.tokenizer import Tokenizer
 
 
 @dataclass

@@ -1,16 +1,75 @@
-"""Shared fixtures: tiny models and tokenizers built inside the test, never downloaded."""
+"""Shared fixtures: tiny models, tokenizers and bundles built inside the test, never downloaded.
+
+Building a model needs torch (training and export); serving one does not. So torch and `model/` are
+imported inside the fixtures that build, never at the top of this file.
+
+The serving lane (`make test-serving`) runs the engine, runtime, server and CLI tests in a virtualenv
+with the serving dependencies only, as the container has them. There the engine tests run on an
+exported bundle instead of the tiny models: `--serving-bundle DIR`, or the shipped bundle when torch
+is not installed. A test that needs a model built with torch is marked `needs_torch` (automatically
+when it uses one of TORCH_FIXTURES) and is skipped in that lane, with the reason in the report.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from service.engine.config import EngineConfig
+from service.engine.core import Engine
+from service.runtime.bundle import ModelSpec, read_manifest
+from service.runtime.tokenizer import Tokenizer
 
-from model.config import GPTConfig  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.tokenizer import Tokenizer, train_bpe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_BUNDLE = ROOT / "models" / "shakespeare-onnx"
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+# fixtures that build a model with torch (directly or through another of them)
+TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
+                            "plain_bundle", "wrong_int8_bundle"})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--serving-bundle", metavar="DIR", default=None,
+                     help="run the engine, runtime, server and CLI tests on this exported bundle instead of the "
+                          "tiny models built with torch, and skip the tests that need torch (the serving lane; "
+                          "without torch installed, the shipped bundle is used)")
+
+
+def serving_bundle(config: pytest.Config) -> Path | None:
+    """The bundle the serving lane tests on, or None when the tests build their own models."""
+    option = config.getoption("--serving-bundle")
+    if option:
+        return Path(option).resolve()
+    return None if HAVE_TORCH else SHIPPED_BUNDLE
+
+
+def pytest_report_header(config):
+    bundle = serving_bundle(config)
+    if bundle is None:
+        return None
+    import service
+
+    torch = "installed" if HAVE_TORCH else "not installed"
+    return [f"serving lane: engine bundle {bundle} (torch {torch}; tests that need torch are skipped)",
+            f"serving lane: attnserve from {Path(service.__file__).parent.parent}"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that use TORCH_FIXTURES `needs_torch`; in the serving lane, skip every such test."""
+    bundle = serving_bundle(config)
+    lane = ("this install has the serving dependencies only" if not HAVE_TORCH
+            else f"--serving-bundle tests on {bundle} only")
+    for item in items:
+        if TORCH_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.needs_torch(reason="builds its model with torch"))
+        marker = item.get_closest_marker("needs_torch")
+        if marker is not None and bundle is not None:
+            why = marker.kwargs.get("reason", "needs torch")
+            item.add_marker(pytest.mark.skip(reason=f"{why}: {lane}"))
 
 TINY_TEXTS = [
     "Rom.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n",
@@ -21,10 +80,18 @@ TINY_TEXTS = [
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
+    from model.tokenizer import train_bpe
+
     return Tokenizer(train_bpe(TINY_TEXTS, vocab_size=300, min_frequency=1))
 
 
-def make_model(seed: int = 0, **overrides) -> GPT:
+def make_model(seed: int = 0, **overrides):
+    """A random GPT (eval mode) of the tiny test shape, `overrides` applied."""
+    import torch
+
+    from model.config import GPTConfig
+    from model.gpt import GPT
+
     torch.manual_seed(seed)
     fields = dict(vocab_size=97, n_ctx=64, n_layer=2, n_head=4, d_model=32, dropout=0.0)
     fields.update(overrides)
@@ -32,7 +99,7 @@ def make_model(seed: int = 0, **overrides) -> GPT:
 
 
 @pytest.fixture
-def tiny_model() -> GPT:
+def tiny_model():
     return make_model()
 
 
@@ -54,3 +121,116 @@ def tiny_bundle(tmp_path_factory, tiny_model_dir) -> Path:
     path = tmp_path_factory.mktemp("bundle")
     export_bundle(tiny_model_dir, path, name="tiny", optimized=True, int8=True, fp16=True)
     return path
+
+
+# ---- engine bundles ---------------------------------------------------------------------------------
+#
+# The engine bundle is the lively bundle below; in the serving lane it is the bundle under test instead.
+#
+# The model behind the lively bundle is the tiny test model (vocab 300, n_ctx 128, 2 layers,
+# d_model 32) with its weight matrices redrawn at a larger scale. At the default initialisation a
+# random model's greedy output is one token repeated forever, which an equivalence test cannot tell
+# apart from a broken cache; with these weights every continuation depends on the whole context
+# (and on position), its greedy output varies from token to token, EOS is rare, and sampling at
+# temperature 0.8 has real entropy. So a KV slot mixed up, a position off by one or a prefill chunk
+# written to the wrong place changes the tokens.
+
+LIVELY_STD = 0.5  # std of the redrawn weight matrices
+LIVELY_SEED = 2
+
+
+@pytest.fixture(scope="session")
+def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny test model, with weight matrices ~ N(0, 0.5²): context-dependent, varied output."""
+    import torch
+
+    from model.checkpoint import save_model_dir
+    from tests.conftest import make_model
+
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128)
+    gen = torch.Generator().manual_seed(LIVELY_SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # embeddings and projections; biases and LayerNorms keep their init
+                p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
+    path = tmp_path_factory.mktemp("lively_model")
+    save_model_dir(model, tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lively_bundle(tmp_path_factory, lively_model_dir) -> Path:
+    """The lively model exported with the default graphs: `static` (served) and `fp32` (reference)."""
+    from export.cli import export_bundle
+
+    path = tmp_path_factory.mktemp("engine_bundle")
+    export_bundle(lively_model_dir, path, name="tiny")
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_bundle(request) -> Path:
+    """The bundle the engine and server tests serve: the lively bundle, or in the serving lane the bundle
+    under test. Tests that depend on its shape read it from `engine_model`."""
+    bundle = serving_bundle(request.config)
+    if bundle is None:
+        return request.getfixturevalue("lively_bundle")
+    read_manifest(bundle)  # a missing or broken bundle fails here, in one line, not in every test
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def engine_model(engine_bundle) -> ModelSpec:
+    """The engine bundle's model: vocab_size, n_ctx, name, eos_token_id."""
+    return read_manifest(engine_bundle).model
+
+
+@pytest.fixture(scope="session")
+def int8_bundle(request) -> Path:
+    """A bundle with the fp32 serving graph `static` and its INT8 counterpart `static-int8`: the tiny
+    bundle, or in the serving lane the bundle under test."""
+    bundle = serving_bundle(request.config)
+    if bundle is None:
+        return request.getfixturevalue("tiny_bundle")
+    graphs = read_manifest(bundle).graphs
+    if not {"static", "static-int8"} <= graphs.keys():
+        pytest.skip(f"{bundle} has no 'static' and 'static-int8' graphs to compare")
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def plain_bundle(tmp_path_factory, tiny_model_dir) -> Path:
+    """The shared tiny model (default initialisation) with the default graphs."""
+    from export.cli import export_bundle
+
+    path = tmp_path_factory.mktemp("plain_bundle")
+    export_bundle(tiny_model_dir, path, name="tiny")
+    return path
+
+
+@pytest.fixture(scope="session")
+def wrong_int8_bundle(tiny_bundle, lively_bundle, tmp_path_factory) -> Path:
+    """The tiny bundle with another model's graph where its INT8 serving graph belongs: a reduced-precision
+    graph that parts from its fp32 graph, as a CPU whose integer kernels go wrong would make it."""
+    import shutil
+
+    dst = tmp_path_factory.mktemp("wrong_int8") / "bundle"
+    shutil.copytree(tiny_bundle, dst)
+    shutil.copyfile(lively_bundle / "model.static.onnx", dst / "model.static.int8.onnx")
+    return dst
+
+
+# graph: the fp32 serving graph, whatever the bundle holds, so that every engine of a test (and the test
+# servers, tests/fronts/server_harness.py) computes the same logits. On the lively bundle it is the only
+# serving graph; on a bundle with INT8 graphs `auto` could serve another one, chosen per CPU.
+ENGINE_DEFAULTS = dict(graph="static", max_running=8, max_batch_tokens=256, max_waiting=64, threads=1)
+
+
+@pytest.fixture
+def make_engine(engine_bundle) -> Callable[..., Engine]:
+    """make_engine(**config) -> a fresh Engine on the engine bundle (ENGINE_DEFAULTS otherwise)."""
+
+    def make(bundle: Path | None = None, **overrides) -> Engine:
+        return Engine(EngineConfig(bundle=bundle or engine_bundle, **{**ENGINE_DEFAULTS, **overrides}))
+
+    return make

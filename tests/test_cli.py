@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from attnserve.cli import COMMANDS, main
 
 
@@ -24,7 +26,19 @@ def test_help_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+@pytest.mark.needs_torch(reason="train, import-hf and generate-local are training tools, which import torch")
 def test_subcommand_help_runs():
     for name in ("train", "import-hf", "generate-local"):
         out = subprocess.run([sys.executable, "-m", "attnserve", name, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage:" in out.stdout, name
+
+
+def test_a_training_command_without_its_extra_says_what_to_install():
+    """The serving install has no torch: `attnserve train` then ends in one line, not a traceback."""
+    code = ("import sys; sys.modules['torch'] = None; from attnserve.cli import main; "
+            "raise SystemExit(main(['train', '--help']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "attnserve train: needs torch, which this install lacks (the serving install leaves it out); "
+        "install the extra: pip install 'attnserve[train]'"]

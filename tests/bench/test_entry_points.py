@@ -16,7 +16,7 @@ from bench.machine import describe, machine_line
 # placeholders: {bundle} the tiny bundle (every graph variant), {model} its model directory, {out} a temp folder
 QUICK = {
     "engine": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
-               "--contexts", "16,32", "--out", "{out}"],
+               "--contexts", "16,32", "--sampler-vocab", "1000", "--sampler-steps", "4", "--out", "{out}"],
     "serve": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--requests-per-client", "1",
               "--out", "{out}"],
     "compare": ["--model", "{model}", "--bundle", "{bundle}", "--batches", "1,2", "--new-tokens", "4",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import machine
-from service.cpu import cpu_info
+from service.runtime.cpu import cpu_info
 
 
 def test_the_line_names_the_cpu_its_kernel_flags_and_the_versions():

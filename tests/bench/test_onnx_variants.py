@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench.onnx_variants import ConcatGraph, StaticGraph, open_graph
-from service.bundle import read_manifest
+from service.runtime.bundle import read_manifest
 
 
 @pytest.fixture(scope="module")

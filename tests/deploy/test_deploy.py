@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.config import ServerSettings
+from service.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from service.self_check import MIN_AGREEMENT
+from service.runtime.self_check import MIN_AGREEMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "models" / "shakespeare-onnx"
@@ -43,9 +43,9 @@ CHILD = textwrap.dedent("""
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     product = int(session.run(None, {"a": np.full((1, k), 255, np.uint8)})[0].item())
 
-    from service.runner import ModelRunner
-    from service.self_check import check
-    result = check(ModelRunner(sys.argv[1], "static-int8", provider="cpu", intra_op_threads=1))
+    from service.runtime.static_runner import StaticRunner
+    from service.runtime.self_check import check
+    result = check(StaticRunner(sys.argv[1], "static-int8", provider="cpu", intra_op_threads=1))
     print(json.dumps({"product": product, "top1": result.top1, "positions": result.positions}))
 """)
 

@@ -14,10 +14,10 @@ from export.verify import verify_static
 from model.checkpoint import load_model_dir
 from model.data import load_corpus
 from model.scoring import encode_documents, eval_batches, nll_sum
-from service.bundle import read_manifest
-from service.concat_runner import OnnxRunner
-from service.runner import ModelRunner
-from service.self_check import logits_at_every_position
+from service.runtime.bundle import read_manifest
+from service.runtime.concat_runner import ConcatRunner
+from service.runtime.self_check import logits_at_every_position
+from service.runtime.static_runner import StaticRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "shakespeare"
@@ -83,7 +83,7 @@ def compare(logits_of, reference_of, held_out) -> tuple[float, float]:
 def test_int8_serving_graph_keeps_held_out_quality(held_out):
     manifest = read_manifest(BUNDLE_DIR)
     assert manifest.graphs["static-int8"].weights == "int8"
-    int8, fp32 = (ModelRunner(BUNDLE_DIR, g, provider="cpu") for g in ("static-int8", "static"))
+    int8, fp32 = (StaticRunner(BUNDLE_DIR, g, provider="cpu") for g in ("static-int8", "static"))
     cost, top1 = compare(lambda x: logits_at_every_position(int8, x), lambda x: logits_at_every_position(fp32, x),
                          held_out)
     assert cost <= MAX_BITS_PER_CHAR_COST and top1 >= MIN_TOP1_AGREEMENT, (cost, top1)
@@ -93,7 +93,7 @@ def test_int8_serving_graph_keeps_held_out_quality(held_out):
 @pytest.mark.corpus
 def test_int8_standard_graph_keeps_held_out_quality(held_out):
     model, _ = load_model_dir(MODEL_DIR)
-    runner = OnnxRunner(BUNDLE_DIR, graph="int8", provider="cpu")
+    runner = ConcatRunner(BUNDLE_DIR, graph="int8", provider="cpu")
 
     def onnx_logits(x):
         pos = np.broadcast_to(np.arange(x.shape[1]), x.shape)

@@ -16,10 +16,10 @@ from export.cli import export_bundle
 from export.variants import node_count
 from export.verify import verify, verify_static
 from model.checkpoint import load_model_dir
-from service.bundle import decoder_io_names, read_manifest, static_io_names
-from service.concat_runner import OnnxRunner
-from service.runner import ModelRunner
-from service.self_check import MIN_AGREEMENT, logits_at_every_position, probe_sequences
+from service.runtime.bundle import decoder_io_names, read_manifest, static_io_names
+from service.runtime.concat_runner import ConcatRunner
+from service.runtime.self_check import MIN_AGREEMENT, logits_at_every_position, probe_sequences
+from service.runtime.static_runner import StaticRunner
 
 
 def test_manifest_describes_the_model_and_the_graphs(tiny_bundle, tiny_model_dir):
@@ -99,7 +99,7 @@ def test_no_fp32_needs_another_standard_graph(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("variant", ["fp32", "optimized"])
 def test_verification_against_pytorch_passes(tiny_bundle, tiny_model_dir, variant):
     model, _ = load_model_dir(tiny_model_dir)
-    report = verify(model, OnnxRunner(tiny_bundle, graph=variant, provider="cpu"))
+    report = verify(model, ConcatRunner(tiny_bundle, graph=variant, provider="cpu"))
     assert report.passed, report.format()
     assert [c.name for c in report.checks] == ["checker", "prefill", "decode", "greedy"]
     assert all(c.max_abs_diff <= 1e-4 for c in report.checks)
@@ -109,7 +109,7 @@ def test_verification_catches_a_wrong_graph(tiny_bundle, tiny_model_dir):
     model, _ = load_model_dir(tiny_model_dir)
     with torch.no_grad():
         model.ln_f.bias += 0.01  # PyTorch now differs from the exported graph
-    report = verify(model, OnnxRunner(tiny_bundle, graph="fp32", provider="cpu"))
+    report = verify(model, ConcatRunner(tiny_bundle, graph="fp32", provider="cpu"))
     assert not report.passed and "FAILED" in report.format()
 
 
@@ -118,8 +118,8 @@ def test_optimized_graph_has_fewer_nodes(tiny_bundle):
 
 
 def test_fp16_graph_stays_close(tiny_bundle):
-    ref = OnnxRunner(tiny_bundle, graph="fp32", provider="cpu")
-    other = OnnxRunner(tiny_bundle, graph="fp16", provider="cpu")
+    ref = ConcatRunner(tiny_bundle, graph="fp32", provider="cpu")
+    other = ConcatRunner(tiny_bundle, graph="fp16", provider="cpu")
     ids = np.array([[5, 9, 17, 33, 2, 8]])
     mask, pos = np.ones_like(ids), np.arange(6)[None]
     want, _ = ref.step(ids, pos, mask, ref.empty_cache(1))
@@ -133,13 +133,13 @@ def test_fp16_graph_stays_close(tiny_bundle):
 def test_int8_graphs_follow_fp32_on_the_top1_token(tiny_bundle, variant):
     """Judged as the start-up self-check judges it: the most likely token at every position of
     text the fp32 graph wrote, by the same rule on every CPU (not logit tolerances, which differ)."""
-    ref = ModelRunner(tiny_bundle, "static", provider="cpu")
+    ref = StaticRunner(tiny_bundle, "static", provider="cpu")
     seqs = probe_sequences(ref, rows=8)
     want = logits_at_every_position(ref, seqs)
     if variant == "static-int8":
-        got = logits_at_every_position(ModelRunner(tiny_bundle, variant, provider="cpu"), seqs)
+        got = logits_at_every_position(StaticRunner(tiny_bundle, variant, provider="cpu"), seqs)
     else:
-        runner = OnnxRunner(tiny_bundle, graph=variant, provider="cpu")
+        runner = ConcatRunner(tiny_bundle, graph=variant, provider="cpu")
         pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
         got, _ = runner.step(seqs, pos, np.ones_like(seqs), runner.empty_cache(len(seqs)))
     assert read_manifest(tiny_bundle).graphs[variant].weights == "int8"
@@ -167,7 +167,7 @@ def test_imported_gpt2_exports_and_verifies(tiny_tokenizer, tmp_path):
     export_bundle(tmp_path / "ours", tmp_path / "bundle", optimized=True, int8=True)
     model, _ = load_model_dir(tmp_path / "ours")
     for variant in ("fp32", "optimized"):
-        report = verify(model, OnnxRunner(tmp_path / "bundle", graph=variant, provider="cpu"))
+        report = verify(model, ConcatRunner(tmp_path / "bundle", graph=variant, provider="cpu"))
         assert report.passed, report.format()
     report = verify_static(model, tmp_path / "bundle")
     assert report.passed, report.format()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.tokenizer import EOS_TOKEN, Tokenizer
+from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
 
 SAMPLES = [
     "",

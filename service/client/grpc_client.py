@@ -1,0 +1,192 @@
+"""Python clients for the attnserve gRPC API: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from service.client import Client
+    with Client("localhost:50051") as c:
+        print(c.generate("ROMEO:", max_new_tokens=40, temperature=0.8, seed=1).completions[0].text)
+        for delta in c.stream("JULIET:", max_new_tokens=40):
+            print(delta, end="", flush=True)
+
+    async with AsyncClient("localhost:50051") as c:
+        response = await c.generate("ROMEO:")
+        async for delta in c.stream("ROMEO:"):
+            ...
+
+Against a server with TLS, pass `credentials=channel_credentials(ca_file=...)` (and a client
+certificate and key for mutual TLS); with a bearer token, `token="..."` (docs/security.md).
+
+Keyword arguments are the fields of `GenerateRequest`, `SamplingParams` and `StoppingCriteria`
+(docs/api.md); left out, they take the server's defaults. Errors are raised as `grpc.RpcError`
+(`grpc.aio.AioRpcError` for the async client), whose `.code()` is the status (docs/api.md#errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
+
+import grpc
+
+from attnserve.v1 import generate_pb2 as pb
+from attnserve.v1 import generate_pb2_grpc as pb_grpc
+from service.fronts.auth import read_pem
+
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+STOPPING_FIELDS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
+REQUEST_FIELDS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name) - {"prompt", "sampling", "stopping"}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20)]
+
+
+def build_request(prompt: str | Iterable[int], **fields) -> pb.GenerateRequest:
+    """A `GenerateRequest` from a text prompt (or token ids) and flat keyword fields."""
+    sampling = {k: fields.pop(k) for k in list(fields) if k in SAMPLING_FIELDS}
+    stopping = {k: fields.pop(k) for k in list(fields) if k in STOPPING_FIELDS}
+    unknown = set(fields) - REQUEST_FIELDS
+    if unknown:
+        raise TypeError(f"unknown request field(s) {sorted(unknown)}; see docs/api.md")
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    else:
+        fields["prompt_token_ids"] = list(prompt)
+    sampling = {k: v for k, v in sampling.items() if v is not None}  # None = unset = server default
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), stopping=pb.StoppingCriteria(**stopping),
+                              **{k: v for k, v in fields.items() if v is not None})
+
+
+def channel_credentials(ca_file: str | Path | None = None, cert_file: str | Path | None = None,
+                        key_file: str | Path | None = None) -> grpc.ChannelCredentials:
+    """Client side: trust `ca_file` (None = the system's roots); present `cert_file`/`key_file`
+    to a server that asks for mutual TLS."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate and its key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(Path(ca_file), "CA file") if ca_file else None,
+        private_key=read_pem(Path(key_file), "client key") if key_file else None,
+        certificate_chain=read_pem(Path(cert_file), "client certificate") if cert_file else None)
+
+
+def call_metadata(metadata: Iterable[tuple[str, str]], token: str | None) -> tuple[tuple[str, str], ...]:
+    return tuple(metadata) + ((("authorization", f"Bearer {token}"),) if token else ())
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """--token, --tls-ca, --tls-cert, --tls-key: how a command reaches a secured server."""
+    g = p.add_argument_group("connection (docs/security.md)")
+    g.add_argument("--token", default=os.environ.get("ATTNSERVE_TOKEN"),
+                   help="bearer token for a server that requires one (default: $ATTNSERVE_TOKEN)")
+    g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (a server with tls_cert_file)")
+    g.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires mutual TLS")
+    g.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
+
+
+def connection_options(args: argparse.Namespace) -> dict:
+    """`Client` keyword arguments from the flags of `add_connection_flags`."""
+    tls = args.tls_ca or args.tls_cert
+    return {"token": args.token,
+            "credentials": channel_credentials(args.tls_ca, args.tls_cert, args.tls_key) if tls else None}
+
+
+class Client:
+    """Blocking client. `timeout_s` is each call's deadline unless a call passes its own."""
+
+    def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None,
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = channel or (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                                   else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.timeout_s = timeout_s
+        self.metadata = call_metadata(metadata, token)
+
+    def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None, **fields) -> pb.GenerateResponse:
+        """The whole result: `.completions[i].text`, `.token_ids`, `.finish_reason`, and `.usage`."""
+        return self.stub.Generate(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                  metadata=self.metadata)
+
+    def stream_responses(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                         **fields) -> Iterator[pb.GenerateStreamResponse]:
+        """Every `GenerateStreamResponse`, as it arrives. Closing the iterator cancels the request."""
+        call = self.stub.GenerateStream(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def stream(self, prompt: str | Iterable[int], **fields) -> Iterator[str]:
+        """Text deltas as they are generated (of every completion, in arrival order, when n > 1)."""
+        for msg in self.stream_responses(prompt, **fields):
+            if msg.text:
+                yield msg.text
+
+    def tokenize(self, text: str) -> pb.TokenizeResponse:
+        return self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def server_info(self) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; the same calls as `Client`, awaited (and `stream` as an async iterator)."""
+
+    def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
+                 metadata: Iterable[tuple[str, str]] = (), channel: grpc.aio.Channel | None = None,
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = channel or (
+            grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+        self.timeout_s = timeout_s
+        self.metadata = call_metadata(metadata, token)
+
+    async def generate(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                       **fields) -> pb.GenerateResponse:
+        return await self.stub.Generate(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+
+    async def stream_responses(self, prompt: str | Iterable[int], *, timeout_s: float | None = None,
+                               **fields) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(build_request(prompt, **fields), timeout=timeout_s or self.timeout_s,
+                                        metadata=self.metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def stream(self, prompt: str | Iterable[int], **fields) -> AsyncIterator[str]:
+        async for msg in self.stream_responses(prompt, **fields):
+            if msg.text:
+                yield msg.text
+
+    async def tokenize(self, text: str) -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    async def server_info(self) -> pb.ServerInfo:
+        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s,
+                                             metadata=self.metadata)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

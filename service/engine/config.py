@@ -1,0 +1,40 @@
+"""What the engine needs to run: the bundle, the graph, and its limits (one pydantic object)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from service.runtime.bundle import AUTO_GRAPH
+
+DEFAULT_BUNDLE = Path(__file__).resolve().parents[2] / "models" / "shakespeare-onnx"
+
+
+class EngineConfig(BaseModel):
+    bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
+    graph: str = Field(AUTO_GRAPH, description="graph to serve; auto = the fastest of the bundle's serving graphs "
+                                               "that passes the start-up self-check on this CPU")
+    providers: Literal["auto", "cpu", "cuda"] = Field(
+        "cpu", description="onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); "
+                           "off the CPU the graph must reproduce the CPU at start-up")
+    threads: int = Field(0, ge=0, description="onnxruntime threads per operator; 0 = one per core")
+    max_running: int = Field(64, ge=1, description="sequences decoded together (KV cache slots)")
+    max_waiting: int = Field(256, ge=0, description="requests queued beyond max_running; more get RESOURCE_EXHAUSTED")
+    max_batch_tokens: int = Field(
+        512, ge=2, description="tokens per model step: one per running sequence plus prompt prefill")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="cap on KV cache memory; unset = max_running full-context slots")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="limit on a request's max_new_tokens; unset = the model context - 1")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="limit on prompt tokens; unset = the context - 1")
+    default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens of a request that leaves it 0")
+
+    @model_validator(mode="after")
+    def _budget_leaves_room_for_prefill(self) -> EngineConfig:
+        if self.max_batch_tokens <= self.max_running:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must exceed max_running "
+                             f"({self.max_running}): each step spends one token per running sequence and "
+                             "needs room left to prefill new prompts")
+        return self

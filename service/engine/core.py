@@ -1,0 +1,341 @@
+"""The engine core: schedule -> run the model -> sample -> update and emit, one step at a time.
+
+It deals in token ids only (plus each sequence's text stream, so stop strings end a sequence in
+the step that completes them). One thread owns it: `service.engine.async_engine` runs `step()` in
+a loop and feeds it requests; tests and benchmarks may drive it directly.
+
+    engine = Engine(EngineConfig(bundle=...))
+    engine.add(engine.new_request(GenerationRequest("r1", prompt_ids)))
+    while engine.has_work:
+        for state, item in engine.step():   # item: a TokenEvent, or an EngineError for that request
+            ...
+
+A sequence's KV slot is released in the step in which it finishes, is aborted or expires. When a
+model call raises, only the requests whose work was in that call fail (`ModelError`): a batch of
+new prompts that fails is retried one prompt at a time, so one prompt the model cannot take never
+ends the others, and the decode rows run on their own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.engine.config import EngineConfig
+from service.engine.detokenizer import TextStream
+from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
+from service.engine.kv_cache import KVCache, plan_slots
+from service.engine.request import EngineLimits, FinishReason, GenerationRequest, TokenEvent
+from service.engine.sampler import SamplingBatch, SamplingState, sample
+from service.engine.scheduler import PrefillWork, Scheduler
+from service.engine.sequence import RequestState, Sequence, Status
+from service.runtime.graph_choice import open_serving_graph
+from service.runtime.static_runner import StaticRunner
+
+log = logging.getLogger(__name__)
+
+Output = tuple[RequestState, "TokenEvent | EngineError"]
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running_requests: int  # requests whose prompt is (being) prefilled and that have not ended
+    running_sequences: int  # sequences holding or promised a KV slot
+    waiting_requests: int  # requests queued for admission
+    kv_slots: int  # sequences the KV cache holds
+    kv_free_slots: int
+    kv_free_tokens: int  # free slots × positions per slot
+    kv_bytes: int  # memory of the KV cache, allocated once
+    tokens_per_s: float  # generated tokens per second over the last 10 s
+    generated_tokens: int  # since start
+    steps: int  # model steps since start
+
+
+@dataclass
+class Ran:
+    """What one model call gave: a logits row per sequence to sample, and the requests it failed."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    logits: np.ndarray | None = None
+    failed: list[Output] = field(default_factory=list)
+
+    def __add__(self, other: Ran) -> Ran:
+        rows = [r.logits for r in (self, other) if r.seqs]
+        return Ran(self.seqs + other.seqs, np.concatenate(rows) if len(rows) == 2 else (rows or [None])[0],
+                   self.failed + other.failed)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: StaticRunner | None = None):
+        self.config = config
+        self.runner = runner or open_serving_graph(config.bundle, config.graph, config.providers, config.threads,
+                                                   config.max_running)
+        m = self.runner.manifest.model
+        self.model = m
+        self.tokenizer = self.runner.tokenizer
+        # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
+        # those ids are never sampled
+        self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
+        n_slots = plan_slots(self.runner.cache_shape, config.max_running, config.kv_cache_bytes)
+        self.kv = KVCache(self.runner.cache_shape, n_slots)
+        self.runner.attach(self.kv.buffers)
+        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens)
+        self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
+        self.limits = EngineLimits.of(config, m.n_ctx)
+        self.requests: dict[str, RequestState] = {}
+        self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
+        self._arrivals = itertools.count()
+        self._running_requests = 0
+        self._sampling: tuple[tuple[int, ...], SamplingBatch] | None = None  # the decode rows' batch, reused
+        self._rate: deque[tuple[float, int]] = deque()  # (time, tokens) of the steps in the rate window
+        self._rate_tokens = 0  # their sum
+        self.generated_tokens = 0
+        self.steps = 0
+        log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once", n_slots,
+                 self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes)
+
+    def warm_up(self) -> None:
+        """Run the model at every decode batch size it will see (before any request is added):
+        onnxruntime's first run at a new batch size allocates, and requests should not pay for it."""
+        if self.requests:
+            raise RuntimeError("warm_up() must run before requests are added")
+        started = time.perf_counter()
+        self.runner.decode_every_batch_size(self.max_running)
+        log.info("warmed up decode at batch sizes 1-%d in %.1f s", self.max_running,
+                 time.perf_counter() - started)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def new_request(self, request: GenerationRequest) -> RequestState:
+        """Validate a request and build its state. Pure: reads only what never changes (the model,
+        the limits, the tokenizer), so any thread may call it; `add` hands the state to the engine."""
+        request.validate(self.model.vocab_size, self.model.n_ctx, self.limits)
+        if request.n > self.max_running:
+            raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.max_running} at once")
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        state = RequestState(request, seed)
+        first = SamplingState.create(request.sampling, request.prompt_token_ids, self.model.vocab_size, seed,
+                                     want_logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+                                     suppress=self._suppressed_until_min_tokens(request),
+                                     min_tokens=request.stopping.min_new_tokens)
+        for i in range(request.n):
+            sampling = first if i == 0 else first.fork(i, seed)
+            state.seqs.append(Sequence(state, i, sampling, TextStream(self.tokenizer, request.stopping.stop)))
+        return state
+
+    def _suppressed_until_min_tokens(self, request: GenerationRequest) -> np.ndarray:
+        """The ids that would end a sequence before `min_new_tokens`: its stop ids, and EOS."""
+        st = request.stopping
+        return np.array(list(st.stop_token_ids) + ([] if st.ignore_eos else [self.model.eos_token_id]), dtype=np.int64)
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request. Admission (whether there is room) is the caller's decision, made once:
+        `AsyncEngine.submit` makes it."""
+        if state.id in self.requests:
+            raise InvalidRequest("request_id", f"{state.id!r} is already running")
+        self.requests[state.id] = state
+        self.scheduler.add(state)
+        if state.request.deadline is not None:
+            heapq.heappush(self._deadlines, (state.request.deadline, next(self._arrivals), state))
+
+    def abort(self, request_id: str) -> list[Output]:
+        state = self.requests.get(request_id)
+        return self.end(state, Cancelled("the request was cancelled")) if state else []
+
+    def expire(self, now: float | None = None) -> list[Output]:
+        """End every request whose deadline has passed, waiting or running."""
+        now = time.monotonic() if now is None else now
+        out: list[Output] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            state = heapq.heappop(self._deadlines)[2]
+            if not state.done:
+                where = "in the queue" if state.scheduled_at is None else "while running"
+                out += self.end(state, DeadlineExceeded(f"the deadline passed {where}"))
+        return out
+
+    def end(self, state: RequestState, error: EngineError | None) -> list[Output]:
+        self.scheduler.drop(state)
+        state.done = True
+        self.requests.pop(state.id, None)
+        if state.scheduled_at is not None:
+            self._running_requests -= 1
+        if len(self._deadlines) > 2 * len(self.requests) + 64:  # drop ended requests' entries now and then
+            self._deadlines = [d for d in self._deadlines if not d[2].done]
+            heapq.heapify(self._deadlines)
+        return [(state, error)] if error is not None else []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self, emit: Callable[[list[Output]], None] | None = None) -> list[Output]:
+        """Run one step; returns its outputs. With `emit`, the new prompts' first tokens are handed
+        to it as soon as they are sampled, before the decode rows run."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        out: list[Output] = []
+        if batch.new_prompts is not None:
+            out += self._sample_and_update(self._run_prefill(batch.new_prompts))
+            if emit is not None and out:
+                emit(out)
+                out = []
+        if batch.decode:
+            out += self._sample_and_update(self._run_decode(batch.decode))
+        if batch.next_chunk is not None:
+            out += self._sample_and_update(self._run_prefill(batch.next_chunk))
+        self.steps += 1
+        return out
+
+    # ---- run: one model call, and who fails if it raises ---------------------------------------
+
+    def _run_prefill(self, work: PrefillWork) -> Ran:
+        try:
+            return self._prefill(work)
+        except Exception as e:
+            if len(work.seqs) == 1:
+                return Ran(failed=self._fail([work.seqs[0].state], e))
+            log.warning("a prefill of %d prompts failed (%s); running them one at a time", len(work.seqs), e)
+            ran = Ran()
+            for one in work.split():  # each reads its slot when it runs: a failed one's slot moves others
+                ran += self._run_prefill(one)
+            return ran
+
+    def _prefill(self, work: PrefillWork) -> Ran:
+        """Write the prompts (or the chunk); returns a logits row for each sequence whose prompt is now
+        complete, the n > 1 siblings included."""
+        now = time.monotonic()
+        for seq in work.seqs:
+            if seq.state.scheduled_at is None:
+                seq.state.scheduled_at = now
+                self._running_requests += 1
+        first = work.seqs[0].slot
+        if work.start > 0:
+            last = self.runner.prefill(first, work.chunks[0], work.start)[-1:]
+        else:
+            last = self.runner.prefill_batch(first, work.chunks)
+        complete = self.scheduler.prefilled(work)
+        return Ran([seq for _, seq in complete], last[[row for row, _ in complete]])
+
+    def _run_decode(self, decode: list[Sequence]) -> Ran:
+        """One token for each of slots [0, n); rows still prefilling a long prompt are not sampled."""
+        n = len(decode)
+        try:
+            logits = self.runner.decode(*self.scheduler.decode_inputs(n))
+        except Exception as e:
+            return Ran(failed=self._fail(dict.fromkeys(s.state for s in decode if s.status is Status.DECODING), e))
+        self.scheduler.decoded(n)
+        live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
+        if len(live) == n:
+            return Ran(decode, logits)
+        return Ran([decode[i] for i in live], logits[live])
+
+    def _fail(self, states: Iterable[RequestState], error: Exception) -> list[Output]:
+        log.error("model call failed: %s: %s", type(error).__name__, error, exc_info=error)
+        out: list[Output] = []
+        for state in states:
+            if not state.done:
+                out += self.end(state, ModelError(f"model step failed: {type(error).__name__}: {error}"))
+        return out
+
+    # ---- sample and update ---------------------------------------------------------------------
+
+    def _sample_and_update(self, ran: Ran) -> list[Output]:
+        out = ran.failed
+        seqs = ran.seqs
+        if not seqs:
+            return out
+        logits = ran.logits
+        if self.sampleable < logits.shape[1]:
+            logits[:, self.sampleable:] = -np.inf
+        result = sample(logits, self._sampling_batch(seqs))
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            out += self._update(seq, int(result.tokens[i]), result.logprob(i), result.top(i, seq.request.top_logprobs),
+                                now)
+        self._count(len(seqs))
+        return out
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The rows' sampling parameters as vectors, rebuilt only when the rows change."""
+        key = tuple(id(s.sampling) for s in seqs)  # the cached batch holds these states: their ids stay theirs
+        if self._sampling is None or self._sampling[0] != key:
+            self._sampling = key, SamplingBatch([s.sampling for s in seqs])
+        return self._sampling[1]
+
+    def _update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
+        """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence."""
+        state = seq.state
+        seq.output_ids.append(token)
+        seq.sampling.accept(token)
+        if state.first_token_at is None:
+            state.first_token_at = now
+        reason, text = self._stop(seq, token)
+        out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
+        if reason is None:
+            self.scheduler.feed(seq, token)
+        else:
+            out += self._finish(seq, reason)
+        return out
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
+        """Whether `seq` ends with `token` (and why), and the text to emit with it. Stop conditions
+        count only from min_new_tokens on; the max_new_tokens limit always does."""
+        st = seq.request.stopping
+        n_out = len(seq.output_ids)
+        active = n_out >= st.min_new_tokens
+        if active and token == self.model.eos_token_id and not st.ignore_eos:
+            reason = FinishReason.EOS
+        elif active and token in st.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            text, by_string = seq.text.push(token, check_stop=active)
+            if by_string:
+                return FinishReason.STOP, text
+            if n_out < st.max_new_tokens:
+                return None, text
+            tail, by_string = seq.text.finish(check_stop=active)  # a stop string may still match the held text
+            return (FinishReason.STOP if by_string else FinishReason.LENGTH), text + tail
+        tail, by_string = seq.text.finish(check_stop=active)
+        return (FinishReason.STOP if by_string else reason), tail
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> list[Output]:
+        """Release `seq`'s slot; the request ends with its last sequence."""
+        seq.finish_reason = reason
+        self.scheduler.free(seq)
+        if all(s.status is Status.FINISHED for s in seq.state.seqs):
+            return self.end(seq.state, None)
+        return []
+
+    # ---- counters ------------------------------------------------------------------------------
+
+    def _count(self, tokens: int) -> None:
+        self.generated_tokens += tokens
+        self._rate.append((time.monotonic(), tokens))
+        self._rate_tokens += tokens
+
+    def _recent_rate(self, now: float) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (amortised O(1))."""
+        rate = self._rate
+        while rate and rate[0][0] < now - RATE_WINDOW_S:
+            self._rate_tokens -= rate.popleft()[1]
+        return self._rate_tokens / max(now - rate[0][0], 1e-3) if rate else 0.0
+
+    def stats(self) -> EngineStats:
+        """A snapshot, in O(1): every figure is a counter kept as the state changes."""
+        return EngineStats(running_requests=self._running_requests, running_sequences=self.scheduler.num_running,
+                           waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
+                           kv_free_slots=self.kv.free_slots, kv_free_tokens=self.kv.free_tokens,
+                           kv_bytes=self.kv.nbytes, tokens_per_s=self._recent_rate(time.monotonic()),
+                           generated_tokens=self.generated_tokens, steps=self.steps)

@@ -1,0 +1,205 @@
+"""What flows into and out of the engine: requests, their parameters, and per-token events.
+
+Everything here is in token ids; text enters and leaves at the edge (the server tokenizes, the
+detokenizer turns ids into text deltas). `GenerationRequest.validate` is the engine's own guard:
+every field is checked against the model and the engine limits, and a bad one raises
+`InvalidRequest` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import annotated_types
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as validated_dataclass
+
+from service.engine.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+# Parameters are validated when they are built: a value out of range raises pydantic's
+# ValidationError (a ValueError); `build` turns it into `InvalidRequest` naming the field and range.
+PARAMS = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"  # max_new_tokens reached
+    EOS = "eos"  # the model produced its end-of-sequence token
+    STOP = "stop"  # a stop string or a stop token id matched
+
+
+@validated_dataclass(config=PARAMS)
+class SamplingParams:
+    temperature: float = Field(1.0, ge=0.0, le=100.0)  # 0 = greedy (argmax); otherwise logits are divided by it
+    top_k: int = Field(0, ge=0)  # keep the k most likely tokens; 0 = all (at most the vocabulary)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # keep the smallest set whose probability reaches top_p; 1 = all
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # drop tokens less likely than min_p × the most likely one; 0 = none
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # CTRL-style, on prompt and generated tokens; 1 = off
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted once from every generated token's logit
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted per occurrence of a generated token
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # per-request RNG seed; None draws one
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+@validated_dataclass(config=PARAMS)
+class StoppingCriteria:
+    max_new_tokens: int = Field(16, ge=1)  # tokens to generate at most (and at most the engine's limit)
+    min_new_tokens: int = Field(0, ge=0)  # EOS, stop ids and stop strings are ignored before this many
+    # stop strings, matched across token boundaries, not emitted
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    # ids that end the sequence (emitted as ids, no text)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past EOS
+
+
+def build(cls: type, prefix: str, values: dict[str, Any]):
+    """`cls(**values)`, with a bad value reported as `InvalidRequest("<prefix>.<field>", range)`."""
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        raise invalid_request(e, cls, prefix) from None
+
+
+def invalid_request(error: ValidationError, cls: type, prefix: str = "") -> InvalidRequest:
+    """The first error of `error` as `InvalidRequest`, naming the field path and its allowed range."""
+    err = error.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    path = (prefix + "." if prefix else "") + loc[0] + "".join(f"[{p}]" for p in loc[1:]) if loc else prefix
+    bounds = _bounds(cls, loc[0]) if len(loc) == 1 and err["type"] not in ("finite_number",) else None
+    value = err.get("input")
+    if err["type"] == "finite_number":
+        return InvalidRequest(path, f"{value!r} is not a finite number")
+    ctx = err.get("ctx", {})
+    if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        bounds = bounds or (f"[{ctx['ge']}, inf)" if "ge" in ctx else f"({ctx['gt']}, inf)" if "gt" in ctx else
+                            f"(-inf, {ctx['le']}]" if "le" in ctx else f"(-inf, {ctx.get('lt')})")
+        return InvalidRequest(path, f"{value!r} is outside {bounds}")
+    if err["type"] in ("string_too_short", "too_short"):
+        return InvalidRequest(path, f"has length {len(value)}; the least allowed is {ctx.get('min_length')}")
+    if err["type"] in ("string_too_long", "too_long"):
+        return InvalidRequest(path, f"has length {len(value)}; the most allowed is {ctx.get('max_length')}")
+    return InvalidRequest(path, f"{err['msg']}; got {_short(value)}")
+
+
+def _bounds(cls: type, name: str) -> str | None:
+    info = getattr(cls, "__pydantic_fields__", {}).get(name)
+    if info is None:
+        return None
+    low = high = None
+    low_open = high_open = False
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            low = m.ge
+        elif isinstance(m, annotated_types.Gt):
+            low, low_open = m.gt, True
+        elif isinstance(m, annotated_types.Le):
+            high = m.le
+        elif isinstance(m, annotated_types.Lt):
+            high, high_open = m.lt, True
+    if low is None and high is None:
+        return None
+    return f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}" \
+           f"{')' if high_open or high is None else ']'}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Request limits that come from the engine config (see `EngineConfig`) and the model context."""
+
+    max_new_tokens: int  # upper bound on a request's max_new_tokens
+    max_prompt_tokens: int  # upper bound on the prompt length
+    default_max_new_tokens: int  # a request that leaves max_new_tokens unset gets at most this many
+    max_n: int = MAX_N
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+    @classmethod
+    def of(cls, config, n_ctx: int) -> EngineLimits:
+        """The limits of an `EngineConfig` on a model of `n_ctx` positions: each at most n_ctx - 1."""
+        longest = n_ctx - 1
+        max_new = min(config.max_new_tokens or longest, longest)
+        return cls(max_new_tokens=max_new, max_prompt_tokens=min(config.max_prompt_tokens or longest, longest),
+                   default_max_new_tokens=min(config.default_max_new_tokens, max_new))
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
+    n: int = 1  # sequences to generate from the one prompt
+    top_logprobs: int = 0  # alternatives to report per token, besides the chosen one
+    logprobs: bool = False  # report each token's logprob (implied by top_logprobs > 0)
+    deadline: float | None = None  # time.monotonic() after which the request is dropped
+    truncate_prompt: bool = False  # drop the prompt's oldest tokens to fit the context instead of refusing
+
+    def __post_init__(self):
+        self.logprobs = self.logprobs or self.top_logprobs > 0
+
+    def validate(self, vocab_size: int, n_ctx: int, limits: EngineLimits) -> None:
+        """Raise `InvalidRequest` for the first bad field; may truncate the prompt if asked to."""
+        s, st = self.sampling, self.stopping
+        if s.top_k > vocab_size:
+            raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
+        _int_range("n", self.n, 1, limits.max_n)
+        _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
+        _int_range("stopping.max_new_tokens", st.max_new_tokens, 1, min(limits.max_new_tokens, n_ctx - 1))
+        _int_range("stopping.min_new_tokens", st.min_new_tokens, 0, st.max_new_tokens)
+        for i, t in enumerate(st.stop_token_ids):
+            _int_range(f"stopping.stop_token_ids[{i}]", t, 0, vocab_size - 1)
+        if not self.prompt_token_ids:
+            raise InvalidRequest("prompt", "is empty; give at least one token")
+        for i, t in enumerate(self.prompt_token_ids):
+            if not (isinstance(t, int) and 0 <= t < vocab_size):
+                raise InvalidRequest(f"prompt_token_ids[{i}]", f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
+        room = min(n_ctx - st.max_new_tokens, limits.max_prompt_tokens)
+        if len(self.prompt_token_ids) > room:
+            if not self.truncate_prompt:
+                raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens + max_new_tokens "
+                                     f"{st.max_new_tokens} exceed the model context of {n_ctx} tokens "
+                                     f"(prompt limit {limits.max_prompt_tokens}); shorten it or lower max_new_tokens")
+            self.prompt_token_ids = self.prompt_token_ids[-room:]
+
+
+def _int_range(name: str, value: int, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one sequence, with its text delta; the last one carries finish_reason."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    token_id: int
+    logprob: float | None  # log-probability of token_id under the model (before sampling adjustments), if asked for
+    top_logprobs: list[tuple[int, float]] | None  # the most likely alternatives, when asked for
+    text: str  # newly decoded text; may be empty while a character or a stop string is incomplete
+    finish_reason: FinishReason | None = None  # set on the sequence's last event
+    time: float = 0.0  # time.monotonic() of the step that produced it

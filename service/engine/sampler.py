@@ -1,0 +1,276 @@
+"""Logits -> next tokens for a whole batch at once: pure numpy, per-row parameters, per-row RNG.
+
+    penalties (repetition, presence, frequency) -> suppression (min_new_tokens) -> greedy rows: argmax
+    -> other rows: / temperature -> softmax -> top-k, top-p, min-p -> inverse-CDF draw with the row's RNG
+
+Every operation is row-wise, and each row draws its uniform number from its own generator, so a
+seeded sequence samples the same tokens alone or in any batch. Reported logprobs are the model's
+own (log-softmax of the raw logits), as vLLM reports them, not of the adjusted distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from service.engine.request import SamplingParams
+
+NO_IDS = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class SamplingState:
+    """What the sampler keeps for one sequence between steps."""
+
+    params: SamplingParams
+    rng: np.random.Generator  # this sequence's own generator
+    vocab_size: int
+    want_logprobs: bool = True  # report the chosen token's logprob (its row pays a full-vocabulary log-softmax)
+    top_logprobs: int = 0  # ... and this many most likely alternatives
+    counts: np.ndarray | None = None  # generated-token counts [vocab], kept only when penalties are on
+    seen: np.ndarray | None = None  # prompt or generated token [vocab] bool, for the repetition penalty
+    suppress: np.ndarray = field(default_factory=lambda: NO_IDS)  # ids masked while < `min_tokens` are generated
+    min_tokens: int = 0
+    generated: int = 0
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt: list[int], vocab_size: int, seed: int, index: int = 0, *,
+               want_logprobs: bool = True, top_logprobs: int = 0, suppress: np.ndarray = NO_IDS,
+               min_tokens: int = 0) -> SamplingState:
+        state = cls(params, np.random.default_rng([seed, index]), vocab_size, want_logprobs, top_logprobs,
+                    suppress=suppress, min_tokens=min_tokens)
+        if params.penalised:
+            state.counts = np.zeros(vocab_size, dtype=np.int32)
+            state.seen = np.zeros(vocab_size, dtype=bool)
+            state.seen[prompt] = True
+        return state
+
+    @property
+    def suppressing(self) -> bool:
+        return self.generated < self.min_tokens and self.suppress.size > 0
+
+    def accept(self, token: int) -> None:
+        self.generated += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+    def fork(self, index: int, seed: int) -> SamplingState:
+        """A sibling sequence of the same request (n > 1), with its own RNG stream."""
+        twin = replace(self, rng=np.random.default_rng([seed, index]))
+        if self.counts is not None:
+            twin.counts, twin.seen = self.counts.copy(), self.seen.copy()
+        return twin
+
+
+class SamplingBatch:
+    """The parameters of a batch of rows as vectors, built once while the rows stay the same (the
+    engine keeps one for its decode rows), so a step loops over rows only for per-row state: the
+    penalised rows' counts, the rows still suppressing ids, and one RNG draw per sampled row."""
+
+    def __init__(self, states: list[SamplingState]):
+        self.states = states
+        params = [s.params for s in states]
+        self.greedy = np.array([p.greedy for p in params])
+        self.all_greedy = bool(self.greedy.all())
+        self.sampled = np.flatnonzero(~self.greedy)  # rows drawn at random
+        drawn = [params[i] for i in self.sampled]
+        self.temperature = np.array([p.temperature for p in drawn], dtype=np.float32)
+        self.filtered = np.array([p.filtered for p in drawn], dtype=bool)  # among the drawn rows
+        kept = [p for p in drawn if p.filtered]
+        self.filters = Filters.of(kept)
+        self.penalised = [i for i, s in enumerate(states) if s.counts is not None]
+        self.may_suppress = [i for i, s in enumerate(states) if s.suppress.size and s.min_tokens]
+        self.logprob_rows = np.flatnonzero([s.want_logprobs or s.top_logprobs for s in states])
+        self.top_n = max((s.top_logprobs for s in states), default=0)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
+@dataclass
+class Filters:
+    """top-k / top-p / min-p of the filtered rows, as vectors."""
+
+    params: list[SamplingParams]
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    widest_top_k: int
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> Filters:
+        return cls(params, np.array([q.top_k for q in params], dtype=np.int64), np.array([q.top_p for q in params]),
+                   np.array([q.min_p for q in params]), max([q.top_k for q in params], default=0))
+
+    def rows(self, index: np.ndarray) -> Filters:
+        if len(index) == len(self.params):
+            return self
+        return Filters.of([self.params[i] for i in index])
+
+
+@dataclass
+class SampleOutput:
+    tokens: np.ndarray  # [B] chosen ids
+    logprobs: np.ndarray  # [B] model logprob of each chosen id (NaN for rows that asked for none)
+    top_ids: np.ndarray | None  # [B, N] most likely ids, when any row asked for alternatives
+    top_logprobs: np.ndarray | None  # [B, N] their logprobs
+
+    def logprob(self, row: int) -> float | None:
+        value = float(self.logprobs[row])
+        return None if np.isnan(value) else value
+
+    def top(self, row: int, k: int) -> list[tuple[int, float]] | None:
+        if not k or self.top_ids is None:
+            return None
+        return list(zip(self.top_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist(), strict=True))
+
+
+def apply_penalties(logits: np.ndarray, states: list[SamplingState], rows: list[int] | None = None) -> None:
+    """Penalties and suppression, in place, for `rows` (default: every row)."""
+    for i in range(len(states)) if rows is None else rows:
+        s = states[i]
+        p = s.params
+        if s.counts is not None:
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                hit = s.seen
+                row[hit] = np.where(row[hit] > 0, row[hit] / p.repetition_penalty, row[hit] * p.repetition_penalty)
+            row -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+        if s.suppressing:
+            logits[i, s.suppress] = -np.inf
+
+
+BLOCK = 64  # inverse-CDF sampling finds the block first, then the token inside it
+CANDIDATES = 256  # top-k/top-p/min-p look at this many most likely tokens (more when a row needs it)
+
+
+def draw(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index i per row with probability weights[i] / sum(weights): inverse CDF, two-level.
+
+    A full-row cumulative sum is sequential and slow; block sums are vectorised, and only the
+    chosen block is summed token by token.
+    """
+    rows, width = weights.shape
+    if width % BLOCK:
+        weights = np.pad(weights, ((0, 0), (0, BLOCK - width % BLOCK)))
+    blocks = weights.reshape(rows, -1, BLOCK)
+    cum = np.cumsum(blocks.sum(axis=2).astype(np.float64), axis=1)  # [rows, n_blocks]
+    target = u * cum[:, -1]
+    r = np.arange(rows)
+    b = np.minimum((cum <= target[:, None]).sum(axis=1), cum.shape[1] - 1)
+    inner = blocks[r, b].astype(np.float64)  # [rows, BLOCK]
+    before = np.where(b > 0, cum[r, np.maximum(b - 1, 0)], 0.0)
+    j = ((before[:, None] + np.cumsum(inner, axis=1)) <= target[:, None]).sum(axis=1)
+    last_positive = BLOCK - 1 - np.argmax(inner[:, ::-1] > 0, axis=1)  # rounding can overshoot the block
+    return b * BLOCK + np.minimum(j, last_positive)
+
+
+def filter_sorted(ps: np.ndarray, filters: Filters) -> np.ndarray:
+    """Keep-mask over probabilities sorted in descending order: top-k, then top-p, then min-p."""
+    width = ps.shape[1]
+    top_k = np.where(filters.top_k > 0, filters.top_k, width)
+    keep = np.arange(width)[None, :] < top_k[:, None]
+    keep &= (np.cumsum(ps, axis=1) - ps) < filters.top_p[:, None]  # the smallest prefix whose mass reaches top_p
+    keep &= ps >= filters.min_p[:, None] * ps[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    return keep
+
+
+def sample_filtered(scaled: np.ndarray, filters: Filters, u: np.ndarray) -> np.ndarray:
+    """top-k / top-p / min-p rows. Looks at the most likely `CANDIDATES` tokens (or top_k, if more).
+    Rows whose nucleus or min-p set reaches past them (flat distributions) are done over the whole
+    vocabulary, together: at once when the candidates cannot hold top_p of the mass whatever they are,
+    otherwise after the candidates show it."""
+    rows, vocab = scaled.shape
+    e = np.exp(scaled - scaled.max(axis=1, keepdims=True))  # the most likely token has 1
+    z = e.sum(axis=1, dtype=np.float64)[:, None].astype(np.float32)  # softmax normaliser, summed in float64
+    width = min(vocab, max(CANDIDATES, filters.widest_top_k))
+    if width == vocab:
+        return _sample_whole_rows(e, z, filters, u)
+    tokens = np.empty(rows, dtype=np.int64)
+    whole = (filters.top_p < 1.0) & (width / z[:, 0] < filters.top_p)  # width tokens of mass <= 1/z each
+    part = np.flatnonzero(~whole)
+    if part.size:
+        cand = np.argpartition(-e[part], width - 1, axis=1)[:, :width]
+        ce = np.take_along_axis(e[part], cand, axis=1)
+        order = np.argsort(-ce, axis=1, kind="stable")
+        cand = np.take_along_axis(cand, order, axis=1)
+        ps = np.take_along_axis(ce, order, axis=1) / z[part]  # [rows, width], descending
+        mine = filters.rows(part)
+        keep = filter_sorted(ps, mine)
+        tokens[part] = cand[np.arange(part.size), draw(np.where(keep, ps, 0.0), u[part])]
+        short = ((mine.top_p < 1.0) & (ps.sum(axis=1) < mine.top_p)) | \
+                ((mine.min_p > 0) & keep[:, -1] & (mine.top_k == 0))
+        whole[part[short]] = True
+    redo = np.flatnonzero(whole)
+    if redo.size:
+        tokens[redo] = _sample_whole_rows(e[redo], z[redo], filters.rows(redo), u[redo])
+    return tokens
+
+
+def _sample_whole_rows(e: np.ndarray, z: np.ndarray, filters: Filters, u: np.ndarray) -> np.ndarray:
+    """The filters over the whole vocabulary (`e`: unnormalised probabilities): sort the values (not
+    the indices: several times faster), find each row's cut-off, and draw among the tokens at or
+    above it, in vocabulary order."""
+    desc = np.sort(e, axis=1)[:, ::-1]
+    keep = filter_sorted(desc / z, filters)  # a prefix of each row
+    cutoff = desc[np.arange(len(desc)), keep.sum(axis=1) - 1]
+    return draw(np.where(e >= cutoff[:, None], e, 0.0), u)
+
+
+def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.ndarray:
+    """The drawn rows (`batch.sampled`): temperature, then top-k/top-p/min-p where asked, then one draw each."""
+    scaled = logits / batch.temperature[:, None]
+    tokens = np.empty(len(batch.sampled), dtype=np.int64)
+    plain = ~batch.filtered
+    if plain.all():
+        return draw(np.exp(scaled - scaled.max(axis=1, keepdims=True)), u)
+    if plain.any():
+        x = scaled[plain]
+        tokens[plain] = draw(np.exp(x - x.max(axis=1, keepdims=True)), u[plain])
+    tokens[batch.filtered] = sample_filtered(scaled[batch.filtered], batch.filters, u[batch.filtered])
+    return tokens
+
+
+def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n: int = 0) -> SampleOutput:
+    """Choose one token per row of `logits` [B, vocab] (not modified). Logprobs are computed only for
+    the rows that asked for them; the others get NaN."""
+    if not isinstance(batch, SamplingBatch):
+        batch = SamplingBatch(batch)
+    states = batch.states
+    adjust = batch.penalised + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.penalised]
+    adjusted = logits
+    if adjust:
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
+        apply_penalties(adjusted, states, adjust)
+    if batch.all_greedy:
+        tokens = adjusted.argmax(axis=1)
+    else:
+        tokens = np.empty(len(batch), dtype=np.int64)
+        if batch.sampled.size < len(batch):
+            tokens[batch.greedy] = adjusted[batch.greedy].argmax(axis=1)
+        u = np.array([states[i].rng.random() for i in batch.sampled])
+        tokens[batch.sampled] = sample_rows(adjusted[batch.sampled], batch, u)
+    return _with_logprobs(logits, tokens, batch.logprob_rows, max(top_n, batch.top_n))
+
+
+def _with_logprobs(logits: np.ndarray, tokens: np.ndarray, rows: np.ndarray, top_n: int) -> SampleOutput:
+    """The chosen tokens' logprobs (and the top-N) under the raw logits, for `rows` only."""
+    logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
+    if not rows.size:
+        return SampleOutput(tokens, logprobs, None, None)
+    x = logits if rows.size == len(tokens) else logits[rows]
+    m = x.max(axis=1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))  # [R] log-partition of the raw logits
+    logprobs[rows] = x[np.arange(len(rows)), tokens[rows]] - lse
+    if not top_n:
+        return SampleOutput(tokens, logprobs, None, None)
+    top_ids = np.zeros((len(tokens), top_n), dtype=np.int64)
+    top_lp = np.full((len(tokens), top_n), np.nan, dtype=np.float32)
+    ids = np.argpartition(-x, top_n - 1, axis=1)[:, :top_n]
+    lp = np.take_along_axis(x, ids, axis=1) - lse[:, None]
+    order = np.argsort(-lp, axis=1, kind="stable")
+    top_ids[rows], top_lp[rows] = np.take_along_axis(ids, order, axis=1), np.take_along_axis(lp, order, axis=1)
+    return SampleOutput(tokens, logprobs, top_ids, top_lp)

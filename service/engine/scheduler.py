@@ -1,0 +1,196 @@
+"""Who runs in the next step: iteration-level (continuous) batching under a token budget.
+
+Every step spends one token per running sequence (the decode rows, slots [0, used)) and offers
+the rest of `max_batch_tokens` to prefill, first come first served:
+
+- If a long prompt is part-way through prefill, its next chunk takes the whole remaining budget.
+- Otherwise waiting requests are admitted in arrival order while a KV slot is free for each of
+  their n sequences, `max_running` is respected, and their prompts (right-padded to the longest)
+  fit the budget. They are prefilled together in one call, into consecutive new slots.
+- A prompt longer than the budget on its own is chunked: its first chunk starts now, and the
+  requests behind it wait. FCFS means no request is overtaken, so none waits unboundedly.
+
+So decode never stalls for more than one budgeted step, however long the prompts are.
+
+The scheduler is the one owner of the KV cache's bookkeeping: which sequence holds which slot,
+how many positions each slot has written, and the token each decode row feeds next. The engine
+reports what ran (`prefilled`, `decoded`, `feed`, `free`, `drop`); the runner only reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.engine.kv_cache import KVCache
+from service.engine.sequence import RequestState, Sequence, Status
+
+
+@dataclass
+class PrefillWork:
+    """Prompts (or one chunk of a long prompt) to write into the cache: sequence i's `chunks[i]`
+    go to its slot from position `start`. The sequences of one call hold consecutive slots."""
+
+    seqs: list[Sequence]  # one sequence per prompt in this call (the first of each request)
+    chunks: list[list[int]]  # token ids written this step, per sequence
+    start: int  # position the chunk starts at (0 unless a long prompt is continued)
+
+    @property
+    def chunked(self) -> bool:
+        """One prompt written in pieces (not in one go)."""
+        return len(self.seqs) == 1 and (self.start > 0 or len(self.chunks[0]) < self.seqs[0].prompt_len)
+
+    @property
+    def tokens(self) -> int:
+        """What the call costs of the step's budget: the prompts padded to the longest."""
+        return len(self.seqs) * max(len(c) for c in self.chunks)
+
+    def split(self) -> list[PrefillWork]:
+        """One call per prompt (to find the prompt a failing call cannot take)."""
+        return [PrefillWork([seq], [chunk], self.start) for seq, chunk in zip(self.seqs, self.chunks, strict=True)]
+
+
+@dataclass
+class Batch:
+    """One step's work. New prompts run first (their slots come after the decode rows'); the rest of
+    a long prompt runs after the decode rows, which write a placeholder into its slot."""
+
+    decode: list[Sequence] = field(default_factory=list)  # owners of slots [0, n), in slot order
+    new_prompts: PrefillWork | None = None  # whole prompts, or the first chunk of a long one
+    next_chunk: PrefillWork | None = None  # the next chunk of a long prompt already started
+
+    @property
+    def prefill(self) -> PrefillWork | None:
+        """This step's prefill, of either kind (at most one runs per step)."""
+        return self.new_prompts or self.next_chunk
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and self.prefill is None
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int):
+        self.kv = kv
+        self.max_running = min(max_running, kv.n_slots)
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[RequestState] = deque()
+        self.chunking: Sequence | None = None  # a long prompt part-way through prefill
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding (or promised) a slot."""
+        return self.kv.used + self.kv.reserved
+
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def schedule(self) -> Batch:
+        batch = Batch(decode=list(self.kv.owners[:self.kv.used]))
+        budget = self.max_batch_tokens - len(batch.decode)
+        if self.chunking is not None:
+            batch.next_chunk = self._next_chunk(self.chunking, budget)
+        elif self.waiting:
+            batch.new_prompts = self._admit(budget)
+        return batch
+
+    def _next_chunk(self, seq: Sequence, budget: int) -> PrefillWork:
+        start = seq.num_prefilled
+        return PrefillWork([seq], [seq.state.prompt[start:start + max(budget, 1)]], start)
+
+    def _admit(self, budget: int) -> PrefillWork | None:
+        batch: list[RequestState] = []
+        longest = 0
+        while self.waiting:
+            state = self.waiting[0]
+            n, length = state.request.n, len(state.prompt)
+            if n > self.kv.free_slots or self.num_running + n > self.max_running:
+                break
+            if batch and (len(batch) + 1) * max(longest, length) > budget:
+                break
+            self.waiting.popleft()
+            first = state.seqs[0]
+            first.slot = self.kv.allocate(first)
+            self.kv.reserve(n - 1)  # the siblings get slots when the prompt is in the cache
+            state.reserved = n - 1
+            first.status = Status.PREFILLING
+            if length > budget:  # alone, and still too long: chunk it
+                self.chunking = first
+                return self._next_chunk(first, budget)
+            batch.append(state)
+            longest = max(longest, length)
+        if not batch:
+            return None
+        return PrefillWork([s.seqs[0] for s in batch], [s.prompt for s in batch], 0)
+
+    # ---- what ran: the KV bookkeeping follows ---------------------------------------------------
+
+    def prefilled(self, work: PrefillWork) -> list[tuple[int, Sequence]]:
+        """`work` is in the cache. Returns, for each prompt now complete, (its row in `work`, each
+        sequence of its request): n > 1 siblings get their reserved slots with a copy of the prompt."""
+        complete = []
+        for row, (seq, chunk) in enumerate(zip(work.seqs, work.chunks, strict=True)):
+            seq.num_prefilled += len(chunk)
+            self.kv.lengths[seq.slot] = seq.num_prefilled
+            if seq.num_prefilled < seq.prompt_len:
+                continue
+            seq.status = Status.DECODING
+            if self.chunking is seq:
+                self.chunking = None
+            complete.append((row, seq))
+            for sibling in seq.state.seqs:
+                if sibling is not seq:
+                    self._fork(seq, sibling)
+                    complete.append((row, sibling))
+        return complete
+
+    def decode_inputs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The token each of slots [0, n) feeds next, and the position it goes to. A prompt part-way
+        through chunked prefill feeds a placeholder where its next chunk starts (and overwrites it)."""
+        return self.kv.pending[:n], self.kv.lengths[:n].copy()
+
+    def decoded(self, n: int) -> None:
+        """Slots [0, n) have each written one more position."""
+        self.kv.lengths[:n] += 1
+
+    def feed(self, seq: Sequence, token: int) -> None:
+        """`token` is what `seq` feeds at its next decode."""
+        self.kv.pending[seq.slot] = token
+
+    def _fork(self, seq: Sequence, sibling: Sequence) -> None:
+        """Give a reserved slot to `sibling` with a copy of `seq`'s prompt cache."""
+        sibling.slot = self.kv.allocate(sibling, reserved=True)
+        sibling.state.reserved -= 1
+        self.kv.copy(seq.slot, sibling.slot, seq.prompt_len)
+        sibling.num_prefilled = seq.num_prefilled
+        sibling.status = Status.DECODING
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's slot (or its reservation) now."""
+        if seq.slot is not None:
+            moved = self.kv.release(seq.slot)
+            if moved is not None:
+                owner, slot = moved
+                owner.slot = slot
+            seq.slot = None
+        if self.chunking is seq:
+            self.chunking = None
+        seq.status = Status.FINISHED
+
+    def drop(self, state: RequestState) -> None:
+        """The request is over (finished, aborted or expired): every slot and reservation goes back."""
+        if not self.remove_waiting(state):
+            for seq in state.seqs:
+                if seq.status is not Status.FINISHED:
+                    self.free(seq)
+        self.kv.unreserve(state.reserved)
+        state.reserved = 0
+
+    def remove_waiting(self, state: RequestState) -> bool:
+        try:
+            self.waiting.remove(state)
+            return True
+        except ValueError:
+            return False

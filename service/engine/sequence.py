@@ -1,0 +1,71 @@
+"""Per-request and per-sequence state inside the engine (the engine thread alone touches it)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from service.engine.detokenizer import TextStream
+from service.engine.request import FinishReason, GenerationRequest
+from service.engine.sampler import SamplingState
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    PREFILLING = "prefilling"  # has a slot; its prompt is being written chunk by chunk
+    DECODING = "decoding"  # prompt written; one token per step
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When a request arrived, started its prefill and got its first token (`time.monotonic()`)."""
+
+    arrival: float
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    state: RequestState  # the request this sequence belongs to
+    index: int  # position among the request's n sequences
+    sampling: SamplingState
+    text: TextStream
+    slot: int | None = None  # KV slot while it has one
+    status: Status = Status.WAITING
+    num_prefilled: int = 0  # prompt tokens already in the cache
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.state.request
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.state.prompt)
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: GenerationRequest
+    seed: int  # the request's seed (drawn when it gave none)
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first prefill
+    first_token_at: float | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    reserved: int = 0  # KV slots promised to siblings not yet forked
+    done: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    def timing(self) -> Timing:
+        return Timing(self.arrival, self.scheduled_at, self.first_token_at)

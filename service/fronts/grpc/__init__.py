@@ -1,0 +1,1 @@
+"""The gRPC front (attnserve.v1.TextGeneration, health, reflection)."""

@@ -1,0 +1,150 @@
+"""The gRPC wire format: protobuf requests in, engine events back out as protobuf.
+
+Pure conversion, no I/O and no tensors, so the servicer, the in-process CLI and the tests share it.
+The checks and defaults are every front's (`service.fronts.validation`).
+
+    accepted = parse_request(msg, model)         # raises InvalidRequest
+    stream = engine.submit(accepted.request)
+    ... stream_messages(accepted, events, texts, ...) / Collector(accepted, texts).add(events) ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attnserve.v1 import generate_pb2 as pb
+from service.engine.request import FinishReason, TokenEvent
+from service.engine.sequence import Timing
+from service.fronts.validation import AcceptedRequest, ModelFacts, accept
+from service.runtime.tokenizer import Tokenizer
+
+OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed")
+FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest:
+    """Validate `msg` and build the engine request; raises `InvalidRequest` naming the field and range."""
+    fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": list(msg.prompt_token_ids),
+              "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
+              "truncate_prompt": msg.truncate_prompt}
+    return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)
+
+
+def sampling_values(msg: pb.SamplingParams) -> dict:
+    """The set fields of `msg`; unset optional fields are left out so the defaults apply."""
+    values = {"top_k": msg.top_k, "min_p": msg.min_p, "presence_penalty": msg.presence_penalty,
+              "frequency_penalty": msg.frequency_penalty}
+    values.update((name, getattr(msg, name)) for name in OPTIONAL_SAMPLING if msg.HasField(name))
+    for name in FLOAT_SAMPLING:
+        if name in values:  # float32 on the wire: 0.8 arrives as 0.800000011920929; take the shortest decimal
+            values[name] = float(str(np.float32(values[name])))
+    return values
+
+
+def stopping_values(msg: pb.StoppingCriteria) -> dict:
+    """The stopping fields; max_new_tokens 0 means unset (the default applies)."""
+    return {"max_new_tokens": msg.max_new_tokens, "min_new_tokens": msg.min_new_tokens, "stop": list(msg.stop),
+            "stop_token_ids": list(msg.stop_token_ids), "ignore_eos": msg.ignore_eos}
+
+
+# ---- engine events -> protobuf -------------------------------------------------------------------
+
+class TokenTexts:
+    """Each token's own text (for logprobs), decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def token_logprob(event: TokenEvent, texts: TokenTexts) -> pb.TokenLogprob:
+    top = [pb.TokenLogprob(token_id=t, logprob=lp, text=texts(t)) for t, lp in event.top_logprobs or ()]
+    return pb.TokenLogprob(token_id=event.token_id, logprob=event.logprob, text=texts(event.token_id), top=top)
+
+
+def usage(wire: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing) -> pb.Usage:
+    """Counts and timings; `events_time` is when the last token was produced."""
+    arrival = timing.arrival
+    queue = (timing.scheduled_at or events_time) - arrival
+    ttft = (timing.first_token_at or events_time) - arrival
+    return pb.Usage(prompt_tokens=len(wire.request.prompt_token_ids), completion_tokens=completion_tokens,
+                    queue_ms=1000 * queue, ttft_ms=1000 * ttft, total_ms=1000 * (events_time - arrival))
+
+
+@dataclass
+class StreamState:
+    """What a stream has sent so far."""
+
+    started: set[int] = field(default_factory=set)  # indices whose first message went out (for echo)
+    completion_tokens: int = 0
+
+
+def stream_messages(wire: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
+                    timing: Timing, last: bool) -> list[pb.GenerateStreamResponse]:
+    """One message per completion index among `events` (events that arrived together are merged);
+    `last` = these events end the request, so the final message carries the usage."""
+    by_index: dict[int, list[TokenEvent]] = {}
+    for event in events:
+        by_index.setdefault(event.index, []).append(event)
+    out = []
+    for index, evs in by_index.items():
+        text = "".join(e.text for e in evs)
+        if wire.echo and index not in sent.started:
+            text = wire.prompt_text + text
+        sent.started.add(index)
+        msg = pb.GenerateStreamResponse(request_id=wire.request_id, index=index, text=text,
+                                        token_ids=[e.token_id for e in evs])
+        if wire.want_logprobs:
+            msg.logprobs.extend(token_logprob(e, texts) for e in evs)
+        if evs[-1].finish_reason is not None:
+            msg.finish_reason = FINISH[evs[-1].finish_reason]
+        out.append(msg)
+    sent.completion_tokens += len(events)
+    if last and out:
+        out[-1].usage.CopyFrom(usage(wire, events[-1].time, sent.completion_tokens, timing))
+    return out
+
+
+class Collector:
+    """Accumulates a request's events into the unary `GenerateResponse`."""
+
+    def __init__(self, wire: AcceptedRequest, texts: TokenTexts):
+        self.wire = wire
+        self.texts = texts
+        n = wire.request.n
+        self._text = [[wire.prompt_text] if wire.echo else [] for _ in range(n)]
+        self._ids: list[list[int]] = [[] for _ in range(n)]
+        self._logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
+        self._finish = [pb.FINISH_REASON_UNSPECIFIED] * n
+        self._last_time = 0.0
+
+    def add(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            self._text[e.index].append(e.text)
+            self._ids[e.index].append(e.token_id)
+            if self.wire.want_logprobs:
+                self._logprobs[e.index].append(token_logprob(e, self.texts))
+            if e.finish_reason is not None:
+                self._finish[e.index] = FINISH[e.finish_reason]
+            self._last_time = e.time
+
+    def response(self, timing: Timing) -> pb.GenerateResponse:
+        completions = [pb.Completion(index=i, text="".join(self._text[i]), token_ids=self._ids[i],
+                                     finish_reason=self._finish[i], logprobs=self._logprobs[i])
+                       for i in range(self.wire.request.n)]
+        tokens = sum(len(ids) for ids in self._ids)
+        return pb.GenerateResponse(request_id=self.wire.request_id, completions=completions,
+                                   usage=usage(self.wire, self._last_time, tokens, timing))

@@ -1,0 +1,119 @@
+"""Requests from any front, checked once, into the engine's `GenerationRequest`.
+
+Every range is stated once. The sampling and stopping parameters' own ranges are in their pydantic
+definitions (`service.engine.request`: `SamplingParams`, `StoppingCriteria`), and the ranges that
+depend on the model and the engine's limits (vocabulary, context, n, top_logprobs, max_new_tokens)
+in `GenerationRequest.validate`, which the engine runs on every request. This module adds what only
+a front sees: the request id, prompt text or token ids, echo, and the defaults of unset fields. A
+front maps its own wire format to plain values and calls `accept`; a bad value raises
+`InvalidRequest` naming the field (`param` in HTTP terms) and its allowed range.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from service.engine.errors import InvalidRequest
+from service.engine.request import (
+    EngineLimits,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+    build,
+    invalid_request,
+)
+from service.runtime.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+class RequestFields(BaseModel):
+    """A request's own fields, besides its sampling and stopping parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = ""  # up to MAX_REQUEST_ID_CHARS printable ASCII characters, no spaces
+    prompt: str = ""
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    n: int = 1  # ranges: GenerationRequest.validate
+    top_logprobs: int = 0
+    logprobs: bool = False
+    echo: bool = False
+    truncate_prompt: bool = False
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        if len(value) > MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in value):
+            raise InvalidRequest("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                                 f"without spaces; got {len(value)} characters")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RequestFields:
+        if bool(self.prompt) == bool(self.prompt_token_ids):
+            raise InvalidRequest("prompt", "give exactly one of prompt and prompt_token_ids"
+                                 + (" (both are set)" if self.prompt else " (neither is set)"))
+        return self
+
+
+@dataclass
+class AcceptedRequest:
+    """A validated request and what a response needs besides the engine's events."""
+
+    request: GenerationRequest  # for the engine; its request_id is unique within this server
+    request_id: str  # the id the client gave (or one assigned), echoed in responses and logs
+    prompt_text: str  # the prompt as text (decoded from prompt_token_ids if those were given)
+    echo: bool  # put the prompt before each completion's text
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.request.logprobs
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What validation needs to know of the served model."""
+
+    tokenizer: Tokenizer
+    n_ctx: int
+    limits: EngineLimits
+    max_prompt_chars: int | None = None  # longer text cannot fit the context, so it is refused untokenized
+
+
+def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str, Any],
+           model: ModelFacts) -> AcceptedRequest:
+    """Check a front's values and build the engine request. `sampling` and `stopping` hold only the
+    fields the client set; the others take their defaults (docs/api.md). Raises `InvalidRequest`."""
+    try:
+        f = RequestFields(**fields)
+    except ValidationError as e:
+        cause = e.errors()[0].get("ctx", {}).get("error")
+        raise (cause if isinstance(cause, InvalidRequest) else invalid_request(e, RequestFields)) from None
+    if f.prompt:
+        if model.max_prompt_chars is not None and len(f.prompt) > model.max_prompt_chars:
+            raise InvalidRequest("prompt", f"{len(f.prompt)} characters cannot fit the model context of "
+                                 f"{model.n_ctx} tokens (at most {model.max_prompt_chars} characters)")
+        ids, text = model.tokenizer.encode(f.prompt), f.prompt
+    else:
+        ids, text = f.prompt_token_ids, None
+    stopping = dict(stopping)
+    if not stopping.get("max_new_tokens"):
+        stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt)
+    request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
+                                build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
+                                logprobs=f.logprobs, truncate_prompt=f.truncate_prompt)
+    if text is None and f.echo:
+        text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
+    return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo)
+
+
+def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_prompt: bool) -> int:
+    """An unset max_new_tokens: the engine's default, shrunk to the room the prompt leaves (unless
+    the prompt may be truncated to make room)."""
+    room = model.n_ctx if truncate_prompt else model.n_ctx - prompt_tokens
+    return max(1, min(model.limits.default_max_new_tokens, room))

@@ -1,0 +1,11 @@
+"""The runtime: loads a bundle and runs its graphs on onnxruntime. numpy only, no torch.
+
+    bundle.py         the bundle format (bundle.json): the contract with `attnserve export`
+    tokenizer.py      the bundle's tokenizer (tokenizer.json), the other half of that contract
+    session.py        a bundle graph in an onnxruntime session, checked against the contract
+    static_runner.py  the serving runner: the static-cache graph, bound once to the engine's KV cache
+    concat_runner.py  the reference runner: the concat-cache graph as a step function (export checks, benchmarks)
+    graph_choice.py   which graph to serve on this CPU (`--graph auto`)
+    self_check.py     a reduced-precision graph or another provider against the fp32 graph, before serving
+    cpu.py            this CPU's model, cores and instruction-set flags
+"""

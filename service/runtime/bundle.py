@@ -1,0 +1,146 @@
+"""The ONNX bundle: what `attnserve export` writes and what serving reads, without torch.
+
+    <bundle>/bundle.json       this manifest: config, special ids, I/O specs, opset, weights hash
+    <bundle>/tokenizer.json    the tokenizer, copied from the model directory
+    <bundle>/model.onnx        the decoder graph (fp32); variants beside it (see `graphs`)
+
+`read_manifest` reads and checks the manifest; `service.runtime.session.open_graph` checks the rest
+before serving starts (the graph file, its inputs and outputs, the tokenizer). Each problem raises
+`BundleError` with a one-line cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError, model_validator
+
+MANIFEST_FILE = "bundle.json"
+FORMAT = "attnserve-onnx"
+FORMAT_VERSION = 1
+AUTO_GRAPH = "auto"  # not a graph: asks for the fastest graph that is right on this CPU (graph_choice.py)
+
+
+class BundleError(Exception):
+    """A bundle cannot be served; the message says why in one line."""
+
+
+class TensorSpec(BaseModel):
+    name: str  # graph input/output name
+    dtype: str  # numpy dtype name: int64, float32, float16
+    shape: list[str | int]  # symbolic dims are names (batch, seq, past_seq, total_seq)
+
+
+CacheLayout = Literal["concat", "static"]
+
+
+WeightPrecision = Literal["float32", "float16", "int8", "int4"]
+
+
+class GraphSpec(BaseModel):
+    file: str  # ONNX file name inside the bundle
+    cache: CacheLayout = "concat"  # concat: past in, past+new out; static: one fixed buffer updated in place
+    dtype: Literal["float32", "float16"]  # dtype of logits and the KV cache
+    weights: WeightPrecision = "float32"  # how the matmul weights are stored; anything but float32 is checked
+    description: str  # what this variant is for
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weights_of_older_bundles(cls, data: Any) -> Any:
+        """Manifests written before `weights` existed: their INT8 and FP16 graphs say so in the file name."""
+        if isinstance(data, dict) and "weights" not in data:
+            file = str(data.get("file", ""))
+            data = {**data, "weights": "int8" if "int8" in file else "float16" if "fp16" in file else "float32"}
+        return data
+
+
+class ModelSpec(BaseModel):
+    name: str  # model name reported to clients
+    vocab_size: int
+    n_ctx: int  # longest sequence, prompt + generated
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_head: int
+    eos_token_id: int
+    bos_token_id: int | None = None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Manifest(BaseModel):
+    format: Literal["attnserve-onnx"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    model: ModelSpec
+    tokenizer_file: str = "tokenizer.json"
+    special_tokens: dict[str, int]  # token string -> id
+    tokenizer_sha256: str | None = None  # of tokenizer_file as exported; checked at load (older bundles: None)
+    opset: int  # default-domain ONNX opset of every graph
+    source_weights_sha256: str  # sha256 of the model.safetensors the graphs were exported from
+    default_graph: str  # key into graphs used when no variant is asked for
+    graphs: dict[str, GraphSpec]  # variant name -> graph
+
+    def preferred_graph(self, cache: CacheLayout) -> str:
+        """The default graph if it has this cache layout, else the first graph that has it."""
+        if self.graphs.get(self.default_graph) and self.graphs[self.default_graph].cache == cache:
+            return self.default_graph
+        for name, spec in self.graphs.items():
+            if spec.cache == cache:
+                return name
+        raise BundleError(f"the bundle has no graph with a {cache} KV cache (it has {sorted(self.graphs)}); "
+                          f"re-export it with a current 'attnserve export'")
+
+
+def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """The decoder's input and output names, in graph order (optimum / onnxruntime-genai naming)."""
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    for i in range(n_layer):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """The static-cache decoder's names (onnxruntime-genai's GroupQueryAttention inputs)."""
+    inputs = ["input_ids", "position_ids", "seqlens_k", "total_sequence_length"]
+    outputs = ["logits"]
+    for i in range(n_layer):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def graph_io_names(cache: CacheLayout, n_layer: int) -> tuple[list[str], list[str]]:
+    return decoder_io_names(n_layer) if cache == "concat" else static_io_names(n_layer)
+
+
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:
+    (Path(bundle_dir) / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    path = Path(bundle_dir) / MANIFEST_FILE
+    if not Path(bundle_dir).is_dir():
+        raise BundleError(f"bundle directory {bundle_dir} does not exist")
+    if not path.is_file():
+        raise BundleError(f"{path} is missing: not an attnserve bundle (run 'attnserve export')")
+    try:
+        return Manifest.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path} is not valid JSON: {e}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BundleError(f"{path} is not a valid manifest: {where}: {first['msg']}") from None

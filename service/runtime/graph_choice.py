@@ -1,0 +1,129 @@
+"""Which graph of the bundle to serve: the one asked for, or the fastest that is right on this machine.
+
+    runner = open_serving_graph(bundle, graph)     # graph: a name, or "auto" (the default)
+
+A named graph is opened and must pass the self-check (`service.runtime.self_check`); if it fails, start-up
+stops. With "auto", every static-cache graph of the bundle is a candidate:
+1. each reduced-precision candidate is checked against the fp32 graph; one that fails is dropped
+   with a warning that says why;
+2. the rest decode `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
+   `TIMING_ROUNDS` interleaved rounds (so a noisy neighbour slows every candidate alike);
+3. the one with the lowest geometric mean of its two median step times is served, and the log
+   names every candidate's times and agreement. Candidates within `TIE_MARGIN` of the fastest
+   count as tied, and of those the most precise is served (fp32, then 8-bit, then 4-bit), so that
+   the choice, and with it the text a seed gives, does not flip between restarts on timing noise.
+
+Batch 1 is bound by reading the weights, a full batch by the matmuls; which graph wins each can
+differ by CPU, so the choice is measured where the server runs rather than fixed at export.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.runtime.bundle import AUTO_GRAPH, BundleError, read_manifest
+from service.runtime.cpu import cpu_info
+from service.runtime.self_check import Agreement, check
+from service.runtime.session import Provider
+from service.runtime.static_runner import StaticRunner
+
+log = logging.getLogger(__name__)
+
+TIMING_ROUNDS = 3
+TIMING_STEPS = 4
+TIMING_PROMPT = 8  # tokens prefilled per row before the timed decode steps
+MAX_TIMING_BATCH = 32
+TIE_MARGIN = 0.10
+PRECISION_RANK = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}
+
+
+@dataclass
+class Candidate:
+    runner: StaticRunner
+    agreement: Agreement | None  # None: the fp32 graph on the CPU, nothing to check
+    step_ms: dict[int, float]  # batch size -> median decode step time
+
+    @property
+    def score(self) -> float:
+        return math.exp(statistics.fmean(math.log(t) for t in self.step_ms.values()))
+
+    def describe(self) -> str:
+        times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items())
+        agreed = f"; top-1 agreement {self.agreement.top1:.1%}" if self.agreement else ""
+        return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}"
+
+
+def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
+                       max_batch: int = MAX_TIMING_BATCH) -> StaticRunner:
+    """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
+    "auto" the fastest that passes the self-check, timed at batch 1 and `max_batch` (at most 32)."""
+    def open_(name: str | None) -> StaticRunner:
+        return StaticRunner(bundle, name, provider, threads)
+
+    if graph != AUTO_GRAPH:
+        runner = open_(graph)
+        check(runner)
+        return runner
+    manifest = read_manifest(bundle)
+    names = [name for name, spec in manifest.graphs.items() if spec.cache == "static"]
+    if len(names) <= 1:  # nothing to choose (or no static graph: the runner says so)
+        runner = open_(names[0] if names else None)
+        check(runner)
+        return runner
+    runners = [open_(name) for name in names]
+    reference = next((r for r in runners if r.spec.weights == "float32" and r.provider == "CPUExecutionProvider"),
+                     None)
+    candidates = []
+    for runner in runners:
+        try:
+            candidates.append(Candidate(runner, check(runner, reference), {}))
+        except BundleError as e:
+            log.warning("graph choice: not serving %s: %s", runner.graph_name, e)
+    if not candidates:
+        raise BundleError(f"no graph of {bundle} passes the self-check on this CPU ({cpu_info().describe()})")
+    time_decode(candidates, min(max_batch, MAX_TIMING_BATCH))
+    best = choose(candidates)
+    log.info("graph choice on %s: serving %s (the lowest geometric mean of the step times, or the most precise "
+             "within %.0f%% of it); measured: %s", cpu_info().describe(), best.runner.graph_name, 100 * TIE_MARGIN,
+             "; ".join(c.describe() for c in candidates))
+    return best.runner
+
+
+def choose(candidates: list[Candidate]) -> Candidate:
+    fastest = min(c.score for c in candidates)
+    tied = [c for c in candidates if c.score <= fastest * (1 + TIE_MARGIN)]
+    return min(tied, key=lambda c: PRECISION_RANK[c.runner.spec.weights])
+
+
+def time_decode(candidates: list[Candidate], batch: int) -> None:
+    """Fill each candidate's `step_ms` at batch 1 and `batch`, rounds interleaved across candidates."""
+    sizes = sorted({1, batch})
+    samples: dict[tuple[int, int], list[float]] = {(i, b): [] for i in range(len(candidates)) for b in sizes}
+    for _ in range(TIMING_ROUNDS):
+        for i, c in enumerate(candidates):
+            for b in sizes:
+                samples[i, b] += decode_step_ms(c.runner, b, TIMING_STEPS)
+    for i, c in enumerate(candidates):
+        c.step_ms = {b: statistics.median(samples[i, b]) for b in sizes}
+
+
+def decode_step_ms(runner: StaticRunner, batch: int, steps: int, prompt_tokens: int = TIMING_PROMPT) -> list[float]:
+    """Times (ms) of `steps` greedy decode steps at `batch` rows after a `prompt_tokens` prefill, on a
+    short cache of its own, after one untimed warm-up step."""
+    with runner.scratch_cache(batch, prompt_tokens + steps + 1):
+        vocab = runner.vocab_size
+        prompts = [[(7 * row + t) % vocab for t in range(prompt_tokens)] for row in range(batch)]
+        ids = runner.prefill_batch(0, prompts).argmax(-1)
+        times = []
+        for step in range(steps + 1):
+            started = time.perf_counter()
+            ids = runner.decode(ids, np.full(batch, prompt_tokens + step)).argmax(-1)
+            times.append(1000 * (time.perf_counter() - started))
+        return times[1:]

@@ -1,0 +1,145 @@
+"""The start-up self-check: a graph is served only if it reproduces the fp32 graph on this machine.
+
+Two things can make a graph compute other numbers than the one that was verified at export:
+- **reduced precision**: integer matmul kernels differ between CPUs. onnxruntime's u8s8 kernel on
+  AVX2 without VNNI saturates its 16-bit pair sums, so the same INT8 graph is close to fp32 on one
+  CPU and further off on another (see docs/onnx.md). Such a graph must agree with the bundle's fp32
+  graph, run on the CPU, on the most likely next token at `MIN_AGREEMENT[weights]` of the probe
+  positions. The thresholds sit well below what a correct graph of that precision measures and
+  well above what a broken one does (docs/onnx.md has both).
+- **another execution provider** (CUDA): the KV cache is bound in host memory and written in place
+  by the attention node, which holds only if onnxruntime places that node where it can write it. An
+  fp32 graph there must reproduce the CPU's logits to `LOGIT_TOLERANCE` of the largest logit.
+
+The probe is text the fp32 graph writes itself: `PROBE_ROWS` sequences sampled at temperature 1
+with a fixed seed, `PROBE_TOKENS` tokens each. Both graphs then score every position of the same
+sequences the way serving runs them: the first half in one prefill, the rest one decode step at a
+time, each reading the cache the steps before wrote (the part another provider could get wrong).
+A check costs a few milliseconds for the default model and leaves no cache attached to either runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.runtime.bundle import BundleError
+from service.runtime.cpu import cpu_info
+from service.runtime.static_runner import StaticRunner
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = 8
+PROBE_TOKENS = 64
+PROBE_SEED = 20240
+# least top-1 agreement with fp32 on the probe, by weight precision. Measured on the default model
+# (docs/onnx.md): 8-bit formats 0.96-0.996, 4-bit 0.85-0.86; another model's graph far below
+MIN_AGREEMENT = {"int8": 0.90, "int4": 0.80, "float16": 0.95}
+LOGIT_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
+
+
+@dataclass
+class Agreement:
+    top1: float  # fraction of probe positions where both graphs' most likely token is the same
+    positions: int  # probe positions compared
+    max_abs_diff: float  # largest |Δlogit| over them
+    scale: float  # largest |logit| of the reference
+
+
+def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
+                    seed: int = PROBE_SEED) -> np.ndarray:
+    """[rows, tokens] ids the reference samples itself, each row from the start of a document."""
+    m = reference.manifest.model
+    tokens = min(tokens, m.n_ctx)
+    sampleable = min(reference.tokenizer.vocab_size, m.vocab_size)
+    start = m.bos_token_id if m.bos_token_id is not None else m.eos_token_id  # EOS separates documents
+    rng = np.random.default_rng(seed)
+    with reference.scratch_cache(rows, tokens):
+        seqs = np.full((rows, tokens), start, dtype=np.int64)
+        logits = reference.prefill_batch(0, [[start]] * rows)
+        for t in range(1, tokens):
+            seqs[:, t] = _sample(logits[:, :sampleable], rng)
+            if t + 1 < tokens:
+                logits = reference.decode(seqs[:, t], np.full(rows, t))
+    return seqs
+
+
+def logits_at_every_position(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
+    """[rows, tokens, vocab] logits of `seqs` in one prefill, on a cache of its own."""
+    with runner.scratch_cache(len(seqs), seqs.shape[1]):
+        return runner.prefill_batch(0, seqs.tolist(), every_position=True).astype(np.float32)
+
+
+def served_logits(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
+    """[rows, tokens, vocab] logits of `seqs` as serving computes them: the first half prefilled, then
+    one decode step per token, fed the sequence's own next token (teacher forcing)."""
+    rows, tokens = seqs.shape
+    half = max(tokens // 2, 1)
+    with runner.scratch_cache(rows, tokens):
+        out = np.empty((rows, tokens, runner.vocab_size), dtype=np.float32)
+        out[:, :half] = runner.prefill_batch(0, seqs[:, :half].tolist(), every_position=True)
+        for t in range(half, tokens):
+            out[:, t] = runner.decode(seqs[:, t], np.full(rows, t))
+        return out
+
+
+def agreement(candidate: StaticRunner, reference: StaticRunner, seqs: np.ndarray | None = None) -> Agreement:
+    """How closely `candidate` follows `reference` on the probe (or on `seqs`)."""
+    seqs = probe_sequences(reference) if seqs is None else seqs
+    want = served_logits(reference, seqs)
+    got = served_logits(candidate, seqs)
+    same = got.argmax(-1) == want.argmax(-1)
+    return Agreement(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
+                     scale=max(float(np.abs(want).max()), 1.0))
+
+
+def check(runner: StaticRunner, reference: StaticRunner | None = None) -> Agreement | None:
+    """Raise `BundleError` unless `runner` may serve on this machine; returns what was measured
+    (None when there was nothing to check: the fp32 graph on the CPU). `reference`: the bundle's
+    fp32 static graph on the CPU, if already open."""
+    reduced = runner.spec.weights != "float32"
+    on_cpu = runner.provider == "CPUExecutionProvider"
+    if not reduced and on_cpu:
+        return None
+    reference = reference or open_reference(runner)
+    result = agreement(runner, reference)
+    where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
+    least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
+    if reduced and result.top1 < least:
+        raise BundleError(
+            f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
+            f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
+            f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
+            f"{reference.graph_name}, or "
+            f"re-export the bundle with a current 'attnserve export --int8', whose weights compute alike on every CPU")
+    if not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
+        raise BundleError(
+            f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
+            f"{result.max_abs_diff:.3g}, allowed {LOGIT_TOLERANCE * result.scale:.3g}); serve it with provider 'cpu'")
+    log.info("self-check: graph %s (%s weights) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
+             "probe positions (max |Δlogit| %.3g)", runner.graph_name, runner.spec.weights, where,
+             reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff)
+    return result
+
+
+def _saturation_note(runner: StaticRunner) -> str:
+    on_avx2_alone = runner.provider == "CPUExecutionProvider" and not cpu_info().has_int8_dot
+    return "; without VNNI or AMX this CPU's u8s8 products saturate" if on_avx2_alone else ""
+
+
+def open_reference(runner: StaticRunner) -> StaticRunner:
+    """The bundle's fp32 static graph on the CPU: the graph export verified against PyTorch."""
+    for name, spec in runner.manifest.graphs.items():
+        if spec.cache == "static" and spec.weights == "float32" and spec.dtype == "float32":
+            return StaticRunner(runner.bundle_dir, name, provider="cpu")
+    raise BundleError(f"graph {runner.graph_name!r} cannot be checked: the bundle has no fp32 static graph to "
+                      "compare it with; re-export it with a current 'attnserve export'")
+
+
+def _sample(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.array([rng.choice(len(row), p=row) for row in p])

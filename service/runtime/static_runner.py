@@ -1,0 +1,158 @@
+"""The model runner: the static-cache graph on onnxruntime, bound once to the KV cache. numpy only.
+
+    decode(ids, positions)              one new token for each of slots [0, n) -> logits [n, vocab]
+    prefill(slot, ids, start)           `ids` for one slot, written from position `start`
+    prefill_batch(first_slot, prompts)  whole prompts for slots first_slot ... first_slot + k - 1
+
+Past and present of every layer are bound, through IO binding, to the same views of the cache
+buffers, so onnxruntime's GroupQueryAttention writes the new keys and values in place and reads
+only each row's live prefix. Decode bindings are built once per batch size and reused: a decode
+step only writes the small input arrays in place and runs. Prefill binds per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from service.runtime.session import Provider, open_graph
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The graph's KV cache tensors: per layer a key and a value buffer of this shape per slot."""
+
+    n_layer: int
+    n_head: int
+    d_head: int
+    max_seq: int  # positions per slot: the model context
+    dtype: str = "float32"
+
+    def buffers(self, n_slots: int) -> list[np.ndarray]:
+        """Zeroed key and value buffers [n_slots, n_head, max_seq, d_head], in graph order (layer 0 key,
+        layer 0 value, layer 1 key, ...)."""
+        dims = (n_slots, self.n_head, self.max_seq, self.d_head)
+        return [np.zeros(dims, dtype=self.dtype) for _ in range(2 * self.n_layer)]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.n_layer * self.n_head * self.max_seq * self.d_head * np.dtype(self.dtype).itemsize
+
+
+class StaticRunner:
+    def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
+                 intra_op_threads: int = 0, inter_op_threads: int = 1):
+        g = open_graph(bundle_dir, graph, "static", provider, intra_op_threads, inter_op_threads)
+        self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
+        self.tokenizer, self.session = g.tokenizer, g.session
+        m = self.manifest.model
+        self.vocab_size = m.vocab_size
+        self.cache_shape = CacheShape(m.n_layer, m.n_head, m.d_head, m.n_ctx, self.spec.dtype)
+        self._buffers: list[np.ndarray] = []  # the attached cache
+        inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
+        self._past_names, self._present_names = inputs[4:], outputs[1:]
+        self.provider = self.session.get_providers()[0]
+
+    def attach(self, buffers: list[np.ndarray]) -> None:
+        """Use `buffers` (from `CacheShape.buffers`) as the cache; decode buffers are sized for all of its
+        slots, once. A cache may hold fewer positions per slot than the context (probes need only a few)."""
+        s = self.cache_shape
+        n, positions = buffers[0].shape[0], buffers[0].shape[2]
+        fits = positions <= s.max_seq and len(buffers) == 2 * s.n_layer and all(
+            b.shape == (n, s.n_head, positions, s.d_head) and b.dtype == s.dtype for b in buffers)
+        assert fits, f"a cache of {len(buffers)} x {buffers[0].shape} {buffers[0].dtype} does not fit the graph {s}"
+        self._buffers = buffers
+        self._ids = np.zeros((n, 1), dtype=np.int64)
+        self._pos = np.zeros((n, 1), dtype=np.int64)
+        self._seqlens = np.zeros(n, dtype=np.int32)
+        self._total = np.zeros((), dtype=np.int32)
+        self._logits = np.zeros((n, 1, self.vocab_size), dtype=np.float32)
+        self._decode_bindings: dict[int, ort.IOBinding] = {}
+
+    def _bind_cache(self, binding: ort.IOBinding, first: int, count: int) -> None:
+        for past, present, buf in zip(self._past_names, self._present_names, self._buffers, strict=True):
+            view = ort.OrtValue.ortvalue_from_numpy(buf[first:first + count])  # shares memory, no copy
+            binding.bind_ortvalue_input(past, view)
+            binding.bind_ortvalue_output(present, view)
+
+    def _decode_binding(self, n: int) -> ort.IOBinding:
+        binding = self._decode_bindings.get(n)
+        if binding is None:
+            binding = self.session.io_binding()
+            for name, array in (("input_ids", self._ids[:n]), ("position_ids", self._pos[:n]),
+                                ("seqlens_k", self._seqlens[:n]), ("total_sequence_length", self._total)):
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self._logits[:n]))
+            self._bind_cache(binding, 0, n)
+            self._decode_bindings[n] = binding
+        return binding
+
+    def decode(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Feed ids[i] at position positions[i] of slot i, for slots [0, n). Returns logits [n, vocab].
+
+        The returned array is a view that the next decode overwrites.
+        """
+        n = len(ids)
+        self._ids[:n, 0] = ids
+        self._pos[:n, 0] = positions
+        self._seqlens[:n] = positions
+        self._total[()] = int(positions.max()) + 1
+        self.session.run_with_iobinding(self._decode_binding(n))
+        return self._logits[:n, 0]
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._buffers)
+
+    @contextmanager
+    def scratch_cache(self, rows: int, positions: int | None = None) -> Iterator[None]:
+        """A cache of its own for probes and timings: `rows` slots of `positions` (default: the context),
+        attached for the `with` block. The runner must not be serving meanwhile."""
+        self.attach(replace(self.cache_shape, max_seq=positions or self.cache_shape.max_seq).buffers(rows))
+        try:
+            yield
+        finally:
+            self._buffers = []
+            self._decode_bindings = {}
+
+    def decode_every_batch_size(self, max_rows: int) -> None:
+        """Decode once at every batch size up to `max_rows`, into position 0 of each slot.
+
+        onnxruntime's first run at a new batch size costs 40-80 ms on the CPU (allocations sized to
+        it); without this, requests pay for it while the batch grows. Call it before any sequence
+        holds a slot: it writes position 0 of slots that a prefill then overwrites."""
+        for n in range(1, max_rows + 1):
+            self.decode(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""
+        s = len(ids)
+        logits = self._prefill(slot, np.array([ids], dtype=np.int64), np.arange(start, start + s)[None],
+                               np.array([start + s - 1], dtype=np.int32), start + s)
+        return logits[0]
+
+    def prefill_batch(self, first_slot: int, prompts: list[list[int]], every_position: bool = False) -> np.ndarray:
+        """Whole prompts into consecutive slots. Returns each prompt's last-position logits [k, vocab],
+        or with `every_position` the logits of every position [k, longest, vocab] (for scoring)."""
+        k, s = len(prompts), max(len(p) for p in prompts)
+        ids = np.zeros((k, s), dtype=np.int64)  # right-padded; padding is written past each row's end
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts])
+        logits = self._prefill(first_slot, ids, np.tile(np.arange(s), (k, 1)), (lengths - 1).astype(np.int32), s)
+        return logits if every_position else logits[np.arange(k), lengths - 1]
+
+    def _prefill(self, first: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int) -> np.ndarray:
+        binding = self.session.io_binding()
+        for name, array in (("input_ids", ids), ("position_ids", pos.astype(np.int64)), ("seqlens_k", seqlens),
+                            ("total_sequence_length", np.array(total, dtype=np.int32))):
+            binding.bind_cpu_input(name, array)
+        binding.bind_output("logits", "cpu")
+        self._bind_cache(binding, first, len(ids))
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

@@ -1,0 +1,143 @@
+"""The server's settings: one pydantic object, built once at start-up and passed in.
+
+`ServerSettings` is the engine's `EngineConfig` plus the fronts' own options. It reads them,
+highest priority first, from CLI flags, `ATTNSERVE_*` environment variables and an optional TOML
+or JSON config file (`--config` or `ATTNSERVE_CONFIG`). Nothing is read from the environment at
+import time: `load_settings` does it, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from service.engine.config import EngineConfig
+
+ENV_PREFIX = "ATTNSERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+CONFIG_SUFFIXES = {".toml": "toml_file", ".json": "json_file"}
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message says which, where it came from, and what is allowed."""
+
+
+class ServerSettings(BaseSettings, EngineConfig):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to bind the gRPC server to (0.0.0.0 = all interfaces)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    metrics_port: int = Field(9464, ge=0, le=65535,
+                              description="Prometheus /metrics HTTP port on the same host (0 = no metrics server)")
+    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message accepted")
+    max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
+    stream_interval_ms: float = Field(
+        5.0, ge=0, le=1000, description="a stream message waits until its oldest token is this old (the first "
+                                        "token goes at once); 0 = no wait")
+    stream_tokens: int = Field(
+        0, ge=0, le=64, description="... and until it holds this many tokens: 0 = adaptive (1 while at most 8 "
+                                    "sequences run, then about 8 messages per model step in all)")
+    stream_max_delay_ms: float = Field(
+        50.0, ge=0, le=1000, description="longest a token waits for a message whatever the above (can be late "
+                                         "by one model step)")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
+    warmup: bool = Field(True, description="run decode at every batch size and a few requests before reporting "
+                                           "SERVING")
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain of the server; with tls_key_file, "
+                                                          "the gRPC port speaks TLS only")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA certificate(s); when set, clients must present a certificate it signed (mutual TLS)")
+    auth_token: SecretStr | None = Field(
+        None, description="static bearer token every call but health must carry as 'authorization: Bearer <token>'")
+    auth_token_file: Path | None = Field(None, description="file holding the bearer token (instead of auth_token)")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @model_validator(mode="after")
+    def _security_settings_fit_together(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both for TLS, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs TLS: set tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("set auth_token or auth_token_file, not both")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("auth_token is empty")
+        if self.auth_token_file is not None and not self.auth_token_file.read_text().strip():
+            raise ValueError(f"auth_token_file: {self.auth_token_file} is empty")
+        return self
+
+    def bearer_token(self) -> str | None:
+        """The token calls must carry, or None when authentication is off."""
+        if self.auth_token_file is not None:
+            return self.auth_token_file.read_text().strip()
+        return self.auth_token.get_secret_value().strip() if self.auth_token is not None else None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        files = TomlConfigSettingsSource(settings_cls), JsonConfigSettingsSource(settings_cls)
+        return init_settings, env_settings, *files
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
+
+
+def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | str | None = None) -> ServerSettings:
+    """CLI values (`overrides`) > `ATTNSERVE_*` env > config file > defaults; raises `SettingsError`."""
+    config_file = config_file or os.environ.get(CONFIG_ENV) or None
+    cls = ServerSettings
+    if config_file is not None:
+        path = Path(config_file)
+        if path.suffix not in CONFIG_SUFFIXES:
+            raise SettingsError(f"config file {path}: use a .toml or .json file")
+        if not path.is_file():
+            raise SettingsError(f"config file {path} does not exist")
+        cls = type("ServerSettings", (ServerSettings,),
+                   {"model_config": {**ServerSettings.model_config, CONFIG_SUFFIXES[path.suffix]: path}})
+    try:
+        return cls(**(overrides or {}))
+    except ValidationError as e:
+        raise SettingsError(describe_errors(e)) from None
+    except ValueError as e:  # an unreadable config file
+        raise SettingsError(f"config file {config_file}: {e}") from None
+
+
+def describe_errors(error: ValidationError) -> str:
+    """One line per bad setting: its name, the env var that sets it, the value and what is allowed."""
+    lines = []
+    for err in error.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        where = f" (--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()})" if err["loc"] else ""
+        got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        lines.append(f"{name}{where}: {err['msg'].removeprefix('Value error, ')}{got}")
+    return "\n".join(lines)
+
+
+def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A flag per `ServerSettings` field, its help showing the default and the env var. Flags not
+    given are left out of the parsed namespace, so env and config file values are not overridden."""
+    p = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help=f"TOML or JSON settings file (env {CONFIG_ENV}); flags and env "
+                                               "variables override it")
+    for name, info in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.get_default(call_default_factory=True)
+        shown = "unset" if default is None else str(default)
+        help_ = f"{info.description} [default: {shown}; env {ENV_PREFIX}{name.upper()}]"
+        choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
+        if info.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            p.add_argument(flag, choices=choices, metavar=name.upper() if not choices else None, help=help_)
+    return p

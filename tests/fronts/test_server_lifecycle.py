@@ -1,0 +1,248 @@
+"""The server's life: NOT_SERVING until warm, SERVING, then a drain that lets streams finish.
+The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve.v1 import generate_pb2 as pb
+from service.client import Client, build_request
+from tests.engine.harness import Gate
+from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
+
+
+def test_not_serving_until_warm_then_serving(engine_bundle):
+    s = settings(engine_bundle, warmup=True)
+    gates = []
+    engine = engine_for(s, lambda e: gates.append(Gate(e, at=1)))  # holds the warm-up's first decode
+    with ServerThread(s, engine, start=False) as srv:
+        starting = srv.start_async()
+        gates[0].wait_reached_sync()
+        assert health(srv.address) == NOT_SERVING
+        assert health(srv.address, "attnserve.v1.TextGeneration") == NOT_SERVING
+        with Client(srv.address, timeout_s=30) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Rom.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            gates[0].open()
+            starting.result(30)
+            assert health(srv.address) == SERVING
+            assert len(c.generate("Rom.", max_new_tokens=2, ignore_eos=True).completions[0].token_ids) == 2
+
+
+def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
+    s = settings(engine_bundle, warmup=False)
+    with ServerThread(s, engine_for(s, slowed(0.01))) as srv, Client(srv.address, timeout_s=60) as c:
+        call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=80, ignore_eos=True, seed=1), timeout=60)
+        first = next(call)
+        stopped = srv.drain(grace_s=30)
+        wait_until(lambda: health(srv.address) == NOT_SERVING, what="health to flip")
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("Ham.", max_new_tokens=2)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        rest = list(call)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 80
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        stopped.result(30)
+
+
+def test_drain_cancels_what_outlives_the_grace_period(engine_bundle):
+    s = settings(engine_bundle, warmup=False)
+    with ServerThread(s, engine_for(s, slowed(0.02))) as srv, Client(srv.address, timeout_s=60) as c:
+        call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=120, ignore_eos=True), timeout=60)
+        next(call)
+        srv.drain(grace_s=0.1).result(30)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        engine = srv.server.engine.engine
+        assert not engine.requests and engine.kv.free_slots == engine.kv.n_slots
+
+
+# decode slowed so that running requests are still running when a test looks (40 tokens: 2 s), even
+# on a loaded machine
+SLOW_SERVER = textwrap.dedent("""
+    import sys, time
+    from service.runtime.static_runner import StaticRunner
+    decode = StaticRunner.decode
+    def slow(self, ids, positions):
+        time.sleep(0.05)
+        return decode(self, ids, positions)
+    StaticRunner.decode = slow
+    from service.server import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def start_process(bundle: Path, port: int, *extra: str) -> subprocess.Popen:
+    """`attnserve serve` in its own process, decode slowed. It serves the graph `static`: with `auto` on a
+    bundle with INT8 graphs, start-up would time and self-check them with the slowed decode too."""
+    return subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "--bundle", str(bundle), "--graph", "static",
+                             "--port", str(port), "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens",
+                             "64", "--threads", "1", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(proc: subprocess.Popen, address: str) -> None:
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return health(address) == SERVING
+        except grpc.RpcError:
+            return False
+    wait_until(up, timeout=60, what="the server to report SERVING")
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_stream_then_exits_0(engine_bundle):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start_process(engine_bundle, port)
+    try:
+        wait_serving(proc, address)
+        with Client(address, timeout_s=60) as c:
+            call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=100, ignore_eos=True), timeout=60)
+            first = next(call)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Ham.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            rest = list(call)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 100
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 100
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "draining" in err and "stopped" in err
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
+    """8 streams in flight (4 running, 4 queued) when SIGTERM arrives: all 8 finish whole, new calls
+    get UNAVAILABLE, health says NOT_SERVING, and the process exits 0 within the grace period."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start_process(engine_bundle, port, "--grace-period-s", "20")
+    try:
+        wait_serving(proc, address)
+        with Client(address, timeout_s=60) as c:
+            calls = [c.stub.GenerateStream(build_request(f"Rom. {i}", max_new_tokens=40, ignore_eos=True), timeout=60)
+                     for i in range(8)]
+            # whichever four arrived first run; the others queue (the arrival order is the server's)
+            wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 4))(c.server_info()),
+                       what="four requests to run and four to queue")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("Ham.", max_new_tokens=2)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            results = [list(call) for call in calls]
+        for msgs in results:
+            assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sigint_on_an_idle_server_exits_0(engine_bundle):
+    port = free_port()
+    proc = start_process(engine_bundle, port, "--log-format", "json")
+    try:
+        wait_serving(proc, f"127.0.0.1:{port}")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert err.startswith("{") and '"message": "stopped"' in err
+    finally:
+        proc.kill()
+
+
+def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    code = ("import sys; from attnserve.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, "serve", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env=env)
+
+
+def test_start_up_fails_in_one_line_for_a_missing_bundle(tmp_path):
+    out = serve("--bundle", str(tmp_path / "nothing"), "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed" in errors[0] and "nothing" in errors[0]
+
+
+def damage(bundle: Path, how: str) -> str:
+    """Break a copy of a bundle in one way; returns a word the one-line cause must contain."""
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    graph = bundle / manifest["graphs"][manifest["default_graph"]]["file"]
+    if how == "truncated graph":
+        graph.write_bytes(graph.read_bytes()[:4096])
+        return graph.name
+    if how == "corrupt manifest":
+        (bundle / "bundle.json").write_text('{"format": "attnserve-onnx", "model": ')
+        return "bundle.json"
+    if how == "missing graph":
+        graph.unlink()
+        return graph.name
+    if how == "mismatched tokenizer":
+        from model.tokenizer import train_bpe
+
+        train_bpe(["a different corpus, a different vocabulary"] * 4, vocab_size=270, min_frequency=1).save(
+            str(bundle / manifest["tokenizer_file"]))
+        return "tokenizer"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated graph", "corrupt manifest", "missing graph", "mismatched tokenizer"])
+def test_start_up_fails_in_one_line_for_a_broken_bundle(engine_bundle, tmp_path, how):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(engine_bundle, bundle)
+    word = damage(bundle, how)
+    out = serve("--bundle", str(bundle), "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed" in errors[0] and word in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_start_up_refuses_a_graph_that_fails_the_self_check_in_one_line(wrong_int8_bundle):
+    out = serve("--bundle", str(wrong_int8_bundle), "--graph", "static-int8", "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "start-up failed: graph 'static-int8'" in errors[0], out.stderr[-2000:]
+    assert "--graph static" in errors[0] and "Traceback" not in out.stderr
+
+
+def test_help_lists_every_setting_with_its_default():
+    from service.settings import ServerSettings
+
+    out = serve("--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for name in ServerSettings.model_fields:
+        assert "--" + name.replace("_", "-") in text
+        assert "ATTNSERVE_" + name.upper() in text
+    assert "[default: 50051;" in text and "[default: 64;" in text

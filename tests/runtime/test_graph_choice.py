@@ -1,0 +1,67 @@
+"""`--graph auto`: the fastest graph that passes the self-check; a named graph must pass it too."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from service.runtime.bundle import BundleError
+from service.runtime.graph_choice import Candidate, choose, open_serving_graph
+
+
+def test_auto_measures_every_serving_graph_and_says_which_it_serves(int8_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        runner = open_serving_graph(int8_bundle, max_batch=4)
+    assert runner.graph_name in ("static", "static-int8") and not runner.attached
+    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
+    assert f"serving {runner.graph_name} (" in line
+    assert "static (float32): " in line and "static-int8 (int8): " in line and "at batch 4" in line
+
+
+def test_auto_never_serves_a_graph_that_fails_the_self_check(wrong_int8_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        runner = open_serving_graph(wrong_int8_bundle, max_batch=4)
+    assert runner.graph_name == "static"
+    assert any("not serving static-int8" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_named_graph_wins_but_must_pass_the_self_check(wrong_int8_bundle):
+    assert open_serving_graph(wrong_int8_bundle, graph="static").graph_name == "static"
+    with pytest.raises(BundleError, match="graph 'static-int8' .* agrees with the fp32 graph 'static'"):
+        open_serving_graph(wrong_int8_bundle, graph="static-int8")
+
+
+def test_a_bundle_with_one_serving_graph_is_served_without_timing(plain_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        assert open_serving_graph(plain_bundle).graph_name == "static"
+    assert not any("graph choice" in r.getMessage() for r in caplog.records)
+
+
+def test_a_concat_graph_cannot_be_served(tiny_bundle):
+    with pytest.raises(BundleError, match="graph 'fp32' has a concat KV cache; this runner needs a static one"):
+        open_serving_graph(tiny_bundle, graph="fp32")
+
+
+class FakeRunner:
+    def __init__(self, name: str, weights: str):
+        self.graph_name, self.spec = name, type("Spec", (), {"weights": weights})()
+
+
+def candidate(name: str, weights: str, b1_ms: float, b32_ms: float) -> Candidate:
+    return Candidate(FakeRunner(name, weights), None, {1: b1_ms, 32: b32_ms})
+
+
+def test_the_fastest_wins_by_the_geometric_mean_of_its_step_times():
+    fp32, int8 = candidate("static", "float32", 2.0, 8.0), candidate("static-int8", "int8", 1.0, 8.0)
+    assert choose([fp32, int8]) is int8  # 2x at batch 1, even at 32: sqrt(2) faster overall
+    slow_at_32 = candidate("static-int8", "int8", 1.0, 40.0)
+    assert choose([fp32, slow_at_32]) is fp32  # 2x faster at batch 1 does not pay for 5x slower at 32
+
+
+def test_near_ties_go_to_the_more_precise_graph_so_restarts_agree():
+    fp32, int8 = candidate("static", "float32", 2.0, 8.0), candidate("static-int8", "int8", 1.9, 7.9)
+    assert choose([int8, fp32]) is fp32
+    int4 = candidate("static-int4", "int4", 1.0, 8.0)
+    int8_close = candidate("static-int8", "int8", 1.05, 8.0)
+    assert choose([int4, int8_close, fp32]) is int8_close

@@ -1,0 +1,82 @@
+"""The start-up self-check: reduced-precision graphs and other providers must reproduce the fp32 graph."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from service.runtime.bundle import BundleError, read_manifest, write_manifest
+from service.runtime.cpu import cpu_info
+from service.runtime.self_check import MIN_AGREEMENT, PROBE_ROWS, PROBE_TOKENS, agreement, check, probe_sequences
+from service.runtime.static_runner import StaticRunner
+
+
+def test_the_fp32_graph_on_the_cpu_needs_no_check(int8_bundle):
+    assert check(StaticRunner(int8_bundle, "static", provider="cpu")) is None
+
+
+def test_the_probe_is_text_the_reference_samples_from_a_document_start(int8_bundle):
+    ref = StaticRunner(int8_bundle, "static", provider="cpu")
+    seqs = probe_sequences(ref)
+    eos = ref.manifest.model.eos_token_id
+    assert seqs.shape == (PROBE_ROWS, PROBE_TOKENS) and (seqs[:, 0] == eos).all()
+    assert len({tuple(r) for r in seqs}) == PROBE_ROWS  # rows differ
+    np.testing.assert_array_equal(probe_sequences(ref), seqs)  # seeded: the same probe every start
+    assert not ref.attached
+
+
+def test_an_int8_graph_that_follows_fp32_passes(int8_bundle):
+    runner = StaticRunner(int8_bundle, "static-int8", provider="cpu")
+    result = check(runner)
+    assert result.positions == PROBE_ROWS * PROBE_TOKENS
+    assert MIN_AGREEMENT["int8"] <= result.top1 and 0 < result.max_abs_diff  # close, yet not the fp32 graph renamed
+    assert not runner.attached  # nothing left attached: the engine attaches its own cache
+
+
+def test_a_reduced_graph_that_parts_from_fp32_is_refused_in_one_line(wrong_int8_bundle):
+    runner = StaticRunner(wrong_int8_bundle, "static-int8", provider="cpu")
+    with pytest.raises(BundleError) as e:
+        check(runner)
+    message = str(e.value)
+    assert "\n" not in message
+    measured = agreement(runner, StaticRunner(wrong_int8_bundle, "static", provider="cpu")).top1
+    assert measured < MIN_AGREEMENT["int8"]
+    for part in ("graph 'static-int8'", cpu_info().describe(), f"only {measured:.1%}", f"{MIN_AGREEMENT['int8']:.0%}",
+                 "--graph static", "attnserve export --int8"):
+        assert part in message
+
+
+def test_another_provider_must_reproduce_the_cpu_logits(int8_bundle):
+    faithful = StaticRunner(int8_bundle, "static", provider="cpu")
+    faithful.provider = "CUDAExecutionProvider"  # as if onnxruntime had placed it on a GPU
+    assert check(faithful).max_abs_diff == 0
+
+    drifting = StaticRunner(int8_bundle, "static", provider="cpu")
+    drifting.provider = "CUDAExecutionProvider"
+    prefill = drifting.prefill_batch
+    drifting.prefill_batch = lambda *a, **k: prefill(*a, **k) + 0.5
+    with pytest.raises(BundleError, match="on CUDAExecutionProvider does not reproduce the CPU"):
+        check(drifting)
+
+
+def test_a_reduced_graph_without_an_fp32_graph_to_compare_is_refused(int8_bundle, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(int8_bundle, dst)
+    manifest = read_manifest(dst)
+    manifest.graphs = {"static-int8": manifest.graphs["static-int8"]}
+    manifest.default_graph = "static-int8"
+    write_manifest(dst, manifest)
+    with pytest.raises(BundleError, match="no fp32 static graph to compare it with"):
+        check(StaticRunner(dst, "static-int8", provider="cpu"))
+
+
+def test_older_manifests_name_their_int8_graphs_by_file(tiny_bundle, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, dst)
+    text = (dst / "bundle.json").read_text()
+    (dst / "bundle.json").write_text(text.replace('"weights": "int8",', "").replace('"weights": "float32",', ""))
+    graphs = read_manifest(dst).graphs
+    assert graphs["static-int8"].weights == "int8" and graphs["static"].weights == "float32"
+    assert graphs["fp16"].weights == "float16"

@@ -1,0 +1,68 @@
+"""The import rules that keep the layout honest, read from the source (every import statement,
+including those inside functions):
+
+- the engine imports no front: no grpc, no HTTP stack, nothing from service.fronts, the client or the server;
+- the runtime imports neither the engine nor a front (the engine builds on it, never the reverse);
+- serving (service/) imports neither torch nor anything from model/, export/ or bench/;
+- export/ and model/ use from service/ only the runtime (the bundle format, the tokenizer, the runners);
+- no test outside tests/bench imports bench/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FRONT_MODULES = ("grpc", "grpc_health", "grpc_reflection", "attnserve.v1", "fastapi", "starlette", "uvicorn",
+                 "http", "service.fronts", "service.client", "service.server", "service.settings")
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def sources(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def offences(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name} imports {module}"
+            for path in files for module in sorted(imports(path)) if under(module, *forbidden)]
+
+
+def test_the_rules_see_imports_inside_functions(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\n\ndef f():\n    from model.gpt import GPT\n    import torch.nn\n")
+    assert imports(probe) == {"os", "model.gpt", "torch.nn"}
+    assert offences([probe], ("torch", "model")) == ["probe.py imports model.gpt", "probe.py imports torch.nn"]
+    assert under("torch.nn", "torch") and not under("torchvision", "torch")
+
+
+@pytest.mark.parametrize("folders,forbidden", [
+    (("service/engine",), FRONT_MODULES),
+    (("service/runtime",), FRONT_MODULES + ("service.engine",)),
+    (("service",), ("torch", "model", "export", "bench")),
+    (("export", "model"), ("service.engine", "service.fronts", "service.client", "service.server", "service.settings")),
+], ids=["engine-imports-no-front", "runtime-imports-no-engine-or-front", "serving-imports-no-torch-or-model", "export-and-model-use-only-the-runtime"])
+def test_import_rule(folders, forbidden):
+    assert offences(sources(*folders), forbidden) == []
+
+
+def test_no_test_outside_tests_bench_imports_bench():
+    tests = [p for p in sources("tests") if "bench" not in p.relative_to(ROOT / "tests").parts[:1]]
+    assert offences(tests, ("bench",)) == []
