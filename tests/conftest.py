@@ -71,6 +71,7 @@ def pytest_collection_modifyitems(config, items):
             why = marker.kwargs.get("reason", "needs torch")
             item.add_marker(pytest.mark.skip(reason=f"{why}: {lane}"))
 
+
 TINY_TEXTS = [
     "Rom.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n",
     "Ham.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
