@@ -41,7 +41,7 @@ DESCRIPTIONS = {
 
 def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
     in_names, out_names = static_io_names(n_layer)
-    kv = ["batch", "n_head", "max_seq", "d_head"]
+    kv = ["batch", "kv_heads", "max_seq", "d_head"]
     inputs = [TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
               TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"]),
               TensorSpec(name="seqlens_k", dtype="int32", shape=["batch"]),
@@ -59,8 +59,8 @@ def graph_spec(variant: str, n_layer: int) -> GraphSpec:
         return static_graph_spec(variant, n_layer)
     dtype = "float16" if variant == "fp16" else "float32"
     in_names, out_names = decoder_io_names(n_layer)
-    kv_in = ["batch", "n_head", "past_seq", "d_head"]
-    kv_out = ["batch", "n_head", "total_seq", "d_head"]
+    kv_in = ["batch", "kv_heads", "past_seq", "d_head"]
+    kv_out = ["batch", "kv_heads", "total_seq", "d_head"]
     inputs = [TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
               TensorSpec(name="attention_mask", dtype="int64", shape=["batch", "total_seq"]),
               TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"])]
@@ -75,7 +75,9 @@ def make_manifest(model: GPT, tokenizer_special: dict[str, int], name: str, opse
                   variants: list[str], default: str) -> Manifest:
     c = model.config
     spec = ModelSpec(name=name, vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer, n_head=c.n_head,
-                     d_model=c.d_model, d_head=c.d_head, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id)
+                     d_model=c.d_model, d_head=c.d_head, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
+                     n_kv_head=c.n_kv_head, eos_token_ids=c.eos_token_ids,
+                     architecture="llama" if c.pos_encoding == "rotary" else "gpt2")
     return Manifest(model=spec, special_tokens=tokenizer_special, opset=opset, source_weights_sha256=weights_sha,
                     default_graph=default, graphs={v: graph_spec(v, c.n_layer) for v in variants})
 

@@ -67,7 +67,7 @@ def sample_inputs(model: GPT, batch: int = 2, seq: int = 3, past: int = 4) -> tu
     ids = torch.randint(0, c.vocab_size, (batch, seq))
     mask = torch.ones(batch, past + seq, dtype=torch.long)
     pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    kv = [torch.randn(batch, c.n_head, past, c.d_head) for _ in range(2 * c.n_layer)]
+    kv = [torch.randn(batch, c.kv_heads, past, c.d_head) for _ in range(2 * c.n_layer)]
     return (ids, mask, pos, *kv)
 
 

@@ -2,15 +2,20 @@
 
 The exported graph in `onnx_export.py` grows its cache by Concat, which copies the whole past
 every step. This one is built op by op from the model's weights around onnxruntime's
-`com.microsoft.GroupQueryAttention` (num_heads = kv_num_heads, so plain multi-head attention):
+`com.microsoft.GroupQueryAttention`, with kv_num_heads = the model's key/value heads (equal to
+num_heads for GPT-2; fewer for grouped-query models, whose cache is that much smaller). For a
+Llama-style model the queries and keys are rotated first (`com.microsoft.RotaryEmbedding`, at
+`position_ids`, from cos/sin tables built at export), the norms are RMSNorms
+(`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
+feed-forward is SwiGLU (gate and up in one MatMul):
 
     inputs   input_ids              int64 [batch, seq]
              position_ids           int64 [batch, seq]
              seqlens_k              int32 [batch]       each row's length after this step, minus 1
              total_sequence_length  int32 []            max(seqlens_k) + 1
-             past_key_values.{i}.key / .value   float [batch, n_head, max_seq, d_head]
+             past_key_values.{i}.key / .value   float [batch, kv_heads, max_seq, d_head]
     outputs  logits                 float [batch, seq, vocab]
-             present.{i}.key / .value           float [batch, n_head, max_seq, d_head]
+             present.{i}.key / .value           float [batch, kv_heads, max_seq, d_head]
 
 Each row's tokens sit at the start of its slot; a step writes its `seq` new keys and values at
 positions seqlens_k + 1 - seq ... seqlens_k. When past and present are bound to the same buffer
@@ -28,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from model.gpt import GPT
+from model.rotary import inverse_frequencies
 from service.runtime.bundle import static_io_names
 
 STATIC_OPSET = 17
@@ -61,62 +67,103 @@ class _Builder:
         bias = self.param(f"{prefix}.bias")
         return self.node("Add", [y, bias], [out]) if bias else y
 
-    def skip_layer_norm(self, branch: str, residual: str, bias: str, ln: str, eps: float, out: str,
-                        sum_out: str) -> tuple[str, str]:
-        """(LN(residual + branch + bias), residual + branch + bias): the residual add fused into the norm."""
-        inputs = [branch, residual, self.param(f"{ln}.weight"), self.param(f"{ln}.bias") or ""]
+    def skip_norm(self, branch: str, residual: str, bias: str, norm: str, rms: bool, eps: float, out: str,
+                  sum_out: str) -> tuple[str, str]:
+        """(Norm(residual + branch + bias), residual + branch + bias): the residual add fused into the
+        LayerNorm or RMSNorm that follows it."""
+        inputs = [branch, residual, self.param(f"{norm}.weight")]  # then LayerNorm's beta; then the bias
+        if not rms:
+            inputs.append(self.param(f"{norm}.bias") or "")
         bias_name = self.param(bias)
         if bias_name:
             inputs.append(bias_name)
         while inputs[-1] == "":
             inputs.pop()
-        self.node("SkipLayerNormalization", inputs, [out, "", "", sum_out], domain=MS_DOMAIN, epsilon=eps)
+        op = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
+        outputs = [out, "", "", sum_out]
+        self.node(op, inputs, outputs, domain=MS_DOMAIN, epsilon=eps)
         return out, sum_out
 
-    def layer_norm(self, x: str, prefix: str, eps: float, out: str) -> str:
+    def norm(self, x: str, prefix: str, rms: bool, eps: float, out: str) -> str:
+        if rms:  # x / sqrt(mean(x²) + eps) · g, in plain ops: it runs once per step, before the first block
+            square = self.node("Mul", [x, x], [f"{out}_sq"])
+            mean = self.node("ReduceMean", [square], [f"{out}_ms"], axes=[-1], keepdims=1)
+            std = self.node("Sqrt", [self.node("Add", [mean, self.const(f"{out}_eps", np.array(eps, np.float32))],
+                                               [f"{out}_mse"])], [f"{out}_rms"])
+            return self.node("Mul", [self.node("Div", [x, std], [f"{out}_n"]), self.param(f"{prefix}.weight")], [out])
         inputs = [x, self.param(f"{prefix}.weight")]
         bias = self.param(f"{prefix}.bias")
         if bias:
             inputs.append(bias)
         return self.node("LayerNormalization", inputs, [out], axis=-1, epsilon=eps)
 
+    def feed_forward(self, h: str, prefix: str, config, i: int) -> str:
+        """GELU MLP or SwiGLU; returns the down projection's output, before its bias."""
+        if config.mlp == "swiglu":  # gate and up in one MatMul, then silu(gate) * up
+            w = np.concatenate([self.weights[f"{prefix}.fc_gate.weight"], self.weights[f"{prefix}.fc_in.weight"]]).T
+            both = self.node("MatMul", [h, self.const(f"{prefix}.gate_up", w)], [f"ff_{i}_gu"])
+            gate, up = f"ff_{i}_gate", f"ff_{i}_up"
+            self.node("Split", [both, self.const(f"ff_{i}_split", np.array([config.ff_width] * 2, np.int64))],
+                      [gate, up], axis=-1)
+            silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], [f"ff_{i}_sig"])], [f"ff_{i}_silu"])
+            f = self.node("Mul", [silu, up], [f"ff_{i}_act"])
+        else:
+            f = self.node("MatMul", [h, self.param(f"{prefix}.fc_in.weight", transpose=True)], [f"ff_{i}_mm"])
+            bias = self.param(f"{prefix}.fc_in.bias")
+            if config.activation == "gelu_tanh":
+                f = self.node("FastGelu", [f, bias] if bias else [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
+            else:
+                f = self.node("BiasGelu", [f, bias], [f"ff_{i}_act"], domain=MS_DOMAIN) if bias else \
+                    self.node("Gelu", [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
+        return self.node("MatMul", [f, self.param(f"{prefix}.fc_out.weight", transpose=True)], [f"ff_out_{i}"])
+
 
 def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
     c = model.config
+    rms, eps, H, H_kv, D = c.norm == "rmsnorm", c.layer_norm_eps, c.n_head, c.kv_heads, c.d_head
     weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if c.pos_encoding == "sinusoidal":
         weights["pos_emb.weight"] = model.pos_table.float().cpu().numpy()
     b = _Builder(weights)
     in_names, out_names = static_io_names(c.n_layer)
-    tok = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
-    pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
-    x = b.node("Add", [tok, pos], ["x_0"])
-    h = b.layer_norm(x, "blocks.0.ln_1", c.layer_norm_eps, "h_0")
+    x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
+    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2)
+        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inverse_frequencies(D, c.rope_theta,
+                                                                                   c.rope_scaling).numpy()[None]
+        cos, sin = b.const("rope_cos", np.cos(angles)), b.const("rope_sin", np.sin(angles))
+    else:
+        pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
+        x = b.node("Add", [x, pos], ["x_0"])
+    h = b.norm(x, "blocks.0.ln_1", rms, eps, "h_0")
     for i in range(c.n_layer):
         p = f"blocks.{i}"
-        qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, 3d): q heads, k heads, v heads
-        attn = b.node("GroupQueryAttention",
-                      [qkv, "", "", in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length"],
-                      [f"attn_{i}", out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
-                      num_heads=c.n_head, kv_num_heads=c.n_head, scale=1.0 / math.sqrt(c.d_head), do_rotary=0)
-        o = b.node("MatMul", [attn, b.param(f"{p}.attn.out_proj.weight", transpose=True)], [f"attn_out_{i}"])
-        # x += o + b_O; h = LN_2(x), in one pass
-        h, x = b.skip_layer_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", c.layer_norm_eps, f"h2_{i}",
-                                 f"x_{i}_attn")
-        f = b.node("MatMul", [h, b.param(f"{p}.ffn.fc_in.weight", transpose=True)], [f"ff_{i}_mm"])
-        bias = b.param(f"{p}.ffn.fc_in.bias")
-        if c.activation == "gelu_tanh":
-            f = b.node("FastGelu", [f, bias] if bias else [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
+        qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, (H + 2 H_kv) D): q heads, k heads, v heads
+        if c.pos_encoding == "rotary":
+            q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
+            b.node("Split", [qkv, b.const(f"qkv_split_{i}", np.array([H * D, H_kv * D, H_kv * D], np.int64))],
+                   [q, k, v], axis=-1)
+            q = b.node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"q_rot_{i}"], domain=MS_DOMAIN,
+                       num_heads=H, interleaved=0)
+            k = b.node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"k_rot_{i}"], domain=MS_DOMAIN,
+                       num_heads=H_kv, interleaved=0)
+            qkv_inputs = [q, k, v]
         else:
-            f = b.node("BiasGelu", [f, bias], [f"ff_{i}_act"], domain=MS_DOMAIN) if bias else \
-                b.node("Gelu", [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
-        f = b.node("MatMul", [f, b.param(f"{p}.ffn.fc_out.weight", transpose=True)], [f"ff_out_{i}"])
-        # x += f + b_2; h = the next LayerNorm (ln_1 of the next block, or ln_f), in one pass
+            qkv_inputs = [qkv, "", ""]
+        attn = b.node("GroupQueryAttention",
+                      [*qkv_inputs, in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length"],
+                      [f"attn_{i}", out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
+                      num_heads=H, kv_num_heads=H_kv, scale=1.0 / math.sqrt(D), do_rotary=0)
+        o = b.node("MatMul", [attn, b.param(f"{p}.attn.out_proj.weight", transpose=True)], [f"attn_out_{i}"])
+        # x += o + b_O; h = Norm_2(x), in one pass
+        h, x = b.skip_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", rms, eps, f"h2_{i}", f"x_{i}_attn")
+        f = b.feed_forward(h, f"{p}.ffn", c, i)
+        # x += f + b_2; h = the next norm (ln_1 of the next block, or ln_f), in one pass
         ln = f"blocks.{i + 1}.ln_1" if i + 1 < c.n_layer else "ln_f"
-        h, x = b.skip_layer_norm(f, x, f"{p}.ffn.fc_out.bias", ln, c.layer_norm_eps, f"h_{i + 1}", f"x_{i + 1}")
-    b.node("MatMul", [h, b.const("lm_head.weight_t", weights["tok_emb.weight"].T)], ["logits"])
+        h, x = b.skip_norm(f, x, f"{p}.ffn.fc_out.bias", ln, rms, eps, f"h_{i + 1}", f"x_{i + 1}")
+    head = weights["tok_emb.weight"] if c.tie_embeddings else weights["lm_head.weight"]
+    b.node("MatMul", [h, b.const("lm_head.weight_t", head.T)], ["logits"])
 
-    cache = ["batch", c.n_head, "max_seq", c.d_head]
+    cache = ["batch", H_kv, "max_seq", D]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),

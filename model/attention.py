@@ -48,43 +48,62 @@ def causal_mask(t_query: int, t_key: int, device: torch.device | None = None) ->
 class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with one fused Q/K/V projection and an output projection W_O.
 
-    `qkv_proj.weight` is (3·n_head·d_head, d_model) with the query, key and value rows stacked in that
-    order, the layout of `torch.nn.MultiheadAttention.in_proj_weight` and of GPT-2's `c_attn`
-    (transposed). For cross-attention, queries come from `x` and keys/values from `context`.
+    `qkv_proj.weight` is ((n_head + 2·n_kv_head)·d_head, d_model) with the query, key and value rows
+    stacked in that order: with n_kv_head = n_head, the layout of `torch.nn.MultiheadAttention.in_proj_weight`
+    and of GPT-2's `c_attn` (transposed). For cross-attention, queries come from `x` and keys/values
+    from `context`.
+
+    Grouped-query attention: with n_kv_head < n_head, each key/value head serves a group of
+    n_head / n_kv_head consecutive query heads (n_kv_head = 1 is multi-query attention). Keys and
+    values are projected, cached and returned by `project_qkv` per KV head, so a KV cache holds only
+    those; `attend` repeats each across its group just before the attention itself, which is the same
+    `scaled_dot_product_attention` as for plain multi-head attention.
     """
 
     def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True,
-                 use_sdpa: bool = True, d_head: int | None = None):
+                 use_sdpa: bool = True, d_head: int | None = None, n_kv_head: int | None = None,
+                 qkv_bias: bool | None = None):
         super().__init__()
         if d_head is None:
             if d_model % n_head != 0:
                 raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
             d_head = d_model // n_head
+        n_kv_head = n_kv_head or n_head
+        if n_head % n_kv_head != 0:
+            raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head}")
         self.d_model = d_model
         self.n_head = n_head
+        self.n_kv_head = n_kv_head
         self.d_head = d_head  # d_k; defaults to d_model / n_head
-        self.d_inner = n_head * d_head  # width of the concatenated heads
+        self.d_inner = n_head * d_head  # width of the concatenated query heads
+        self.d_kv = n_kv_head * d_head  # width of the concatenated key (or value) heads
         self.dropout = dropout
         self.use_sdpa = use_sdpa  # fused torch kernel; the explicit path is the reference
-        self.qkv_proj = nn.Linear(d_model, 3 * self.d_inner, bias=bias)
+        self.qkv_proj = nn.Linear(d_model, self.d_inner + 2 * self.d_kv, bias=bias if qkv_bias is None else qkv_bias)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
 
-    def _split_heads(self, x: Tensor) -> Tensor:
+    def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         B, T, _ = x.shape
-        return x.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, D)
+        return x.view(B, T, heads, self.d_head).transpose(1, 2)  # (B, heads, T, D)
 
     def project_qkv(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries from x; keys and values from context (cross) or from x (self). Each (B, H, T, D)."""
+        """Queries from x; keys and values from context (cross) or from x (self). q (B, H, T, D); k and v
+        (B, H_kv, T, D)."""
         if context is None:
-            q, k, v = self.qkv_proj(x).split(self.d_inner, dim=-1)
+            q, k, v = self.qkv_proj(x).split((self.d_inner, self.d_kv, self.d_kv), dim=-1)
         else:
             w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
             q = F.linear(x, w[:n], None if b is None else b[:n])
-            k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(n, dim=-1)
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+            k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(self.d_kv, dim=-1)
+        return (self._split_heads(q, self.n_head), self._split_heads(k, self.n_kv_head),
+                self._split_heads(v, self.n_kv_head))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        """Attention over already projected heads; merges heads and applies W_O. Returns (B, Tq, d_model)."""
+        """Attention over already projected heads; merges heads and applies W_O. Returns (B, Tq, d_model).
+        k and v may have fewer heads than q (grouped-query attention)."""
+        if k.size(1) != q.size(1):  # each KV head serves its group of query heads
+            group = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
         if self.use_sdpa and is_causal and mask is None and q.size(-2) == k.size(-2):
             # The common training case: torch's fused causal kernel, no mask tensor at all.

@@ -32,8 +32,9 @@ def save_model_dir(model: GPT, tokenizer: Tokenizer, out_dir: str | Path,
 
 
 def weights_for_saving(model: GPT) -> dict[str, torch.Tensor]:
-    """The state dict without the tied output head, which is `tok_emb.weight` again."""
-    return {k: v.contiguous() for k, v in model.state_dict().items() if k != TIED_HEAD}
+    """The state dict, without the output head when it is tied (it is `tok_emb.weight` again)."""
+    tied = model.config.tie_embeddings
+    return {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == TIED_HEAD)}
 
 
 def load_weights(model: GPT, path: str | Path) -> None:
@@ -42,9 +43,9 @@ def load_weights(model: GPT, path: str | Path) -> None:
     if "tok_emb.weight" not in state and TIED_HEAD in state:  # as `safetensors.torch.save_model` writes it
         state["tok_emb.weight"] = state.pop(TIED_HEAD)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) - {TIED_HEAD} or unexpected:
-        raise ValueError(f"{path} does not fit the config: missing {sorted(set(missing) - {TIED_HEAD})}, "
-                         f"unexpected {sorted(unexpected)}")
+    missing = set(missing) - ({TIED_HEAD} if model.config.tie_embeddings else set())
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit the config: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
 
 def load_model_dir(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer]:

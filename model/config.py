@@ -1,8 +1,11 @@
-"""Model configuration: the hyperparameters that fix a GPT's shape.
+"""Model configuration: the hyperparameters that fix a decoder's shape.
 
 `GPTConfig` is written next to the weights as `config.json`, so a model directory is
-self-describing. Field names follow our own vocabulary; `import_hf` maps Hugging Face
-GPT-2 names onto them.
+self-describing. One decoder covers GPT-2 and the Llama family: the fields choose the positions
+(learned, sinusoidal or rotary), the norm (LayerNorm or RMSNorm), the feed-forward (GELU or
+SwiGLU), the key/value heads (grouped-query attention when fewer than the query heads), biases
+and tied embeddings. Field names follow our own vocabulary; `import_hf` maps Hugging Face names
+onto them.
 """
 
 from __future__ import annotations
@@ -18,25 +21,42 @@ class GPTConfig:
     vocab_size: int = 4096  # number of token ids the embedding and the output head cover
     n_ctx: int = 256  # longest sequence (prompt + generated) the model attends over
     n_layer: int = 4  # number of Transformer blocks
-    n_head: int = 4  # attention heads per block; d_model must divide evenly among them
+    n_head: int = 4  # attention (query) heads per block; d_model must divide evenly among them
+    n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (GQA); None = n_head
     d_model: int = 256  # width of the residual stream
     d_ff: int | None = None  # hidden width of the feed-forward; None means 4 * d_model
     dropout: float = 0.0  # dropout on the embeddings and on each residual branch
     attn_dropout: float = 0.0  # dropout on attention weights; > 0 rules out torch's fused attention kernel
-    bias: bool = True  # biases in the linear layers and LayerNorms (GPT-2 has them)
-    layer_norm_eps: float = 1e-5  # epsilon inside every LayerNorm
-    pos_encoding: Literal["learned", "sinusoidal"] = "learned"  # how positions enter the stream
-    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # GPT-2 uses the tanh approximation
+    bias: bool = True  # biases in the linear layers and LayerNorms (GPT-2 has them; Llama has none)
+    qkv_bias: bool | None = None  # biases on the query/key/value projection alone (Qwen2); None = `bias`
+    layer_norm_eps: float = 1e-5  # epsilon inside every norm layer
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
+    rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # GELU MLP (GPT-2) or gated SiLU (Llama: down(silu(gate) * up))
+    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
+    tie_embeddings: bool = True  # the output head reuses the token embedding matrix
     eos_token_id: int = 0  # end-of-sequence / document separator id
+    eos_token_ids: list[int] | None = None  # every id that ends generation, when more than eos_token_id
     bos_token_id: int | None = None  # beginning-of-sequence id, when the tokenizer has one
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.pos_encoding not in ("learned", "sinusoidal"):
-            raise ValueError(f"pos_encoding must be 'learned' or 'sinusoidal', got {self.pos_encoding!r}")
-        if self.activation not in ("gelu_tanh", "gelu"):
-            raise ValueError(f"activation must be 'gelu_tanh' or 'gelu', got {self.activation!r}")
+        if self.n_head % self.kv_heads != 0:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        for name, allowed in (("pos_encoding", ("learned", "sinusoidal", "rotary")), ("norm", ("layernorm", "rmsnorm")),
+                              ("mlp", ("gelu", "swiglu")), ("activation", ("gelu_tanh", "gelu"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.pos_encoding == "rotary" and self.d_head % 2:
+            raise ValueError(f"rotary positions need an even head width, got d_head={self.d_head}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head (plain multi-head attention)."""
+        return self.n_kv_head or self.n_head
 
     @property
     def d_head(self) -> int:

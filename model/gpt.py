@@ -1,8 +1,9 @@
-"""A decoder-only Transformer (GPT) built from the attention in `attention.py`.
+"""A decoder-only Transformer built from the attention in `attention.py`: GPT-2 or Llama-style.
 
-Blocks are pre-LayerNorm: x + Attn(LN(x)), then x + FFN(LN(x)). Parameter names and shapes map
-one to one onto Hugging Face GPT-2 (see `import_hf.py`), with our Linear weights stored as
-(out, in) where GPT-2's Conv1D stores (in, out).
+Blocks are pre-norm: x + Attn(Norm(x)), then x + FFN(Norm(x)). The config chooses the pieces:
+learned, sinusoidal or rotary positions (`rotary.py`), LayerNorm or RMSNorm (`norm.py`), a GELU or
+SwiGLU feed-forward, grouped-query attention, biases, tied embeddings. Parameter names map onto
+Hugging Face GPT-2 and Llama checkpoints (see `import_hf.py`); our Linear weights are (out, in).
 
 `forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
 `BatchKVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.
@@ -19,6 +20,8 @@ from torch import Tensor, nn
 from model.attention import MultiHeadAttention, causal_mask
 from model.config import GPTConfig
 from model.kv_cache import BatchKVCache
+from model.norm import make_norm
+from model.rotary import RotaryEmbedding, apply_rotary
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -32,32 +35,44 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: d_model -> d_ff -> d_model with a GELU between."""
+    """Position-wise MLP, d_model -> d_ff -> d_model: fc_out(GELU(fc_in(x))), or with SwiGLU
+    fc_out(SiLU(fc_gate(x)) * fc_in(x)) (Llama's down(silu(gate) * up))."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.gated = config.mlp == "swiglu"
+        if self.gated:
+            self.fc_gate = nn.Linear(config.d_model, config.ff_width, bias=config.bias)
         self.fc_in = nn.Linear(config.d_model, config.ff_width, bias=config.bias)
         self.fc_out = nn.Linear(config.ff_width, config.d_model, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.act = nn.SiLU() if self.gated else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh"
+                                                        else "none")
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+        h = self.act(self.fc_gate(x)) * self.fc_in(x) if self.gated else self.act(self.fc_in(x))
+        return self.dropout(self.fc_out(h))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = MultiHeadAttention(config.d_model, config.n_head, config.attn_dropout, config.bias)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        c = config
+        self.ln_1 = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.bias)
+        self.attn = MultiHeadAttention(c.d_model, c.n_head, c.attn_dropout, c.bias, n_kv_head=c.kv_heads,
+                                       qkv_bias=c.qkv_bias)
+        self.ln_2 = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.bias)
         self.ffn = FeedForward(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None, kv_cache: BatchKVCache | None, layer: int) -> Tensor:
-        q, k, v = self.attn.project_qkv(self.ln_1(x))  # (B, H, T, D) each
+    def forward(self, x: Tensor, mask: Tensor | None, kv_cache: BatchKVCache | None, layer: int,
+                rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        q, k, v = self.attn.project_qkv(self.ln_1(x))  # q (B, H, T, D); k, v (B, H_kv, T, D)
+        if rotary is not None:  # positions rotate queries and keys (the cache holds rotated keys)
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin).to(q.dtype), apply_rotary(k, cos, sin).to(k.dtype)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)  # (B, H, past + T, D)
+            k, v = kv_cache.update(layer, k, v)  # (B, H_kv, past + T, D)
         x = x + self.resid_dropout(self.attn.attend(q, k, v, mask, is_causal=mask is None))
         return x + self.ffn(self.ln_2(x))
 
@@ -67,15 +82,19 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.rotary = None
         if config.pos_encoding == "learned":
             self.pos_emb = nn.Embedding(config.n_ctx, config.d_model)
-        else:
+        elif config.pos_encoding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(config.n_ctx, config.d_model), persistent=False)
+        else:
+            self.rotary = RotaryEmbedding(config.d_head, config.rope_theta, config.rope_scaling)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_f = make_norm(config.norm, config.d_model, config.layer_norm_eps, config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied input and output embeddings
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # tied input and output embeddings
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("out_proj.weight") or name.endswith("fc_out.weight"):
@@ -100,7 +119,7 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> BatchKVCache:
         c = self.config
         p = self.tok_emb.weight
-        return BatchKVCache(c.n_layer, batch_size, c.n_head, c.d_head, max_len or c.n_ctx, p.dtype, p.device)
+        return BatchKVCache(c.n_layer, batch_size, c.kv_heads, c.d_head, max_len or c.n_ctx, p.dtype, p.device)
 
     def forward(
         self,
@@ -135,10 +154,15 @@ class GPT(nn.Module):
             if attention_mask is not None:
                 mask = mask & attention_mask.bool()[:, None, None, :]  # (B, 1, T, total)
 
-        x = self.tok_emb(input_ids) + self.position_embedding(position_ids)  # (B, T, d_model)
+        x = self.tok_emb(input_ids)  # (B, T, d_model)
+        rotary = None
+        if self.rotary is not None:
+            rotary = self.rotary(position_ids)
+        else:
+            x = x + self.position_embedding(position_ids)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, mask, kv_cache, i)
+            x = block(x, mask, kv_cache, i, rotary)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)

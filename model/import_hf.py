@@ -1,10 +1,14 @@
-"""Import a local Hugging Face GPT-2 family checkpoint into an attnserve model directory.
+"""Import a local Hugging Face checkpoint into an attnserve model directory: GPT-2, and the Llama
+family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`; see `hf_llama.py`).
 
     attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.import_hf ...
 
-The source holds `config.json`, weights as `model.safetensors` (or `pytorch_model.bin`, read with
+The source holds `config.json`, weights as `model.safetensors`, sharded safetensors
+(`model.safetensors.index.json`), or for GPT-2 `pytorch_model.bin` (read with
 `torch.load(weights_only=True)`, which refuses arbitrary pickled objects), and a tokenizer as
-`tokenizer.json` or `vocab.json` + `merges.txt`. Nothing is downloaded.
+`tokenizer.json` (GPT-2 also `vocab.json` + `merges.txt`). `generation_config.json` gives the ids
+that end generation; it and `tokenizer_config.json` are kept in the model directory. Nothing is
+downloaded. An architecture or option the decoder does not have is refused in one line.
 
 GPT-2's Conv1D layers store weights as (in, out); our Linear layers store (out, in), so those
 matrices are transposed. Every other tensor maps one to one.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -22,10 +27,13 @@ from safetensors.torch import load_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from model import hf_llama
 from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.runtime.tokenizer import Tokenizer
+
+KEPT_FILES = ("tokenizer_config.json", "generation_config.json")  # copied into the model directory
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
@@ -75,9 +83,26 @@ def config_from_hf(hf: dict) -> GPTConfig:
 def read_hf_weights(src: Path) -> dict[str, torch.Tensor]:
     if (src / "model.safetensors").is_file():
         return load_file(str(src / "model.safetensors"))
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(src / shard)))
+        return state
     if (src / "pytorch_model.bin").is_file():
         return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+    raise FileNotFoundError(f"{src} has neither model.safetensors, model.safetensors.index.json nor "
+                            "pytorch_model.bin")
+
+
+def eos_ids(src: Path, hf: dict) -> list[int]:
+    """Every id that ends generation: generation_config.json's eos_token_id (an id or a list), else config.json's."""
+    gen = src / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    eos = hf.get("eos_token_id") if eos is None else eos
+    if eos is None:
+        raise hf_llama.Unsupported("neither generation_config.json nor config.json names an eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def convert_state_dict(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -117,23 +142,46 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     config_path = src / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found")
-    config = config_from_hf(json.loads(config_path.read_text()))
+    hf = json.loads(config_path.read_text())
+    architecture = (hf.get("architectures") or ["GPT2LMHeadModel"])[0]
+    if architecture in hf_llama.ARCHITECTURES:
+        config = hf_llama.config_from_hf(hf, hf_llama.ARCHITECTURES[architecture], eos_ids(src, hf))
+        state = hf_llama.convert_state_dict(read_hf_weights(src), config)
+        if not (src / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{src} has no tokenizer.json (a SentencePiece tokenizer.model alone is not "
+                                    "read; save the tokenizer with transformers to get one)")
+        tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
+    elif architecture in ("GPT2LMHeadModel", "GPT2Model"):
+        config = config_from_hf(hf)
+        state = convert_state_dict(read_hf_weights(src), config)
+        tokenizer = read_hf_tokenizer(src, config.eos_token_id)
+    else:
+        supported = ", ".join(["GPT2LMHeadModel", *hf_llama.ARCHITECTURES])
+        raise hf_llama.Unsupported(f"architecture {architecture} is not supported (supported: {supported})")
     model = GPT(config)
-    model.load_state_dict(convert_state_dict(read_hf_weights(src), config), strict=True)
-    tokenizer = read_hf_tokenizer(src, config.eos_token_id)
-    return save_model_dir(model, tokenizer, out, metadata={"source": "huggingface-gpt2"})
+    model.load_state_dict(state, strict=True)
+    out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{architecture}"})
+    for name in KEPT_FILES:
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnserve import-hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="local Hugging Face GPT-2 directory")
+    p.add_argument("src", help="local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral)")
     p.add_argument("-o", "--out", required=True, help="attnserve model directory to write")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = import_hf(args.src, args.out)
+    try:
+        out = import_hf(args.src, args.out)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        what = f"missing config key {e}" if isinstance(e, KeyError) else str(e)
+        print(f"attnserve import-hf: {args.src}: {what}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

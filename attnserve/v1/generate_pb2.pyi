@@ -163,7 +163,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph")
+    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph", "architecture", "attention_heads", "kv_heads", "eos_token_ids", "layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,11 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_tokens: int
@@ -178,7 +183,12 @@ class ModelInfo(_message.Message):
     dtype: str
     provider: str
     graph: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ...) -> None: ...
+    architecture: str
+    attention_heads: int
+    kv_heads: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    layers: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ..., architecture: _Optional[str] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -81,6 +81,7 @@ class Engine:
                                                    config.max_running)
         m = self.runner.manifest.model
         self.model = m
+        self.eos_ids = frozenset(m.stop_ids)  # every id that ends generation (Llama 3 has several)
         self.tokenizer = self.runner.tokenizer
         # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
         # those ids are never sampled
@@ -133,9 +134,9 @@ class Engine:
         return state
 
     def _suppressed_until_min_tokens(self, request: GenerationRequest) -> np.ndarray:
-        """The ids that would end a sequence before `min_new_tokens`: its stop ids, and EOS."""
+        """The ids that would end a sequence before `min_new_tokens`: its stop ids, and the EOS ids."""
         st = request.stopping
-        return np.array(list(st.stop_token_ids) + ([] if st.ignore_eos else [self.model.eos_token_id]), dtype=np.int64)
+        return np.array(list(st.stop_token_ids) + ([] if st.ignore_eos else sorted(self.eos_ids)), dtype=np.int64)
 
     def add(self, state: RequestState) -> None:
         """Queue a request. Admission (whether there is room) is the caller's decision, made once:
@@ -295,7 +296,7 @@ class Engine:
         st = seq.request.stopping
         n_out = len(seq.output_ids)
         active = n_out >= st.min_new_tokens
-        if active and token == self.model.eos_token_id and not st.ignore_eos:
+        if active and token in self.eos_ids and not st.ignore_eos:
             reason = FinishReason.EOS
         elif active and token in st.stop_token_ids:
             reason = FinishReason.STOP

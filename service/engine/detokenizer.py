@@ -1,8 +1,9 @@
 """Token ids -> text deltas, one token at a time, with stop strings matched across token boundaries.
 
-Byte-level BPE splits a multi-byte character across tokens, so decoding one token alone can give
-a broken fragment. `IncrementalDetokenizer` (the prefix/read offsets of vLLM's detokenizer)
-decodes a short window and emits text only once it no longer ends in an incomplete character.
+A tokenizer splits a multi-byte character across tokens (byte-level BPE, or SentencePiece's
+`<0xE2>`-style byte-fallback pieces), so decoding one token alone can give a broken fragment.
+`IncrementalDetokenizer` (the prefix/read offsets of vLLM's detokenizer) decodes a short window
+and emits text only once it no longer ends in an incomplete character.
 Window boundaries fall only after complete characters, where UTF-8 decoding restarts cleanly, so
 the concatenated deltas equal decoding all the ids at once. For byte-level BPE (GPT-2 style, the
 default) `ByteDetokenizer` does the same with a table of each token's bytes and Python's
@@ -71,16 +72,30 @@ class ByteDetokenizer:
         return self.decoder.decode(b"", final=True)
 
 
+@functools.lru_cache(maxsize=8)
+def byte_pieces(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of SentencePiece byte-fallback pieces (`<0x00>` ... `<0xFF>`), which carry one raw byte each."""
+    hf = tokenizer.hf
+    ids = (hf.token_to_id(f"<0x{b:02X}>") for b in range(256))
+    return frozenset(i for i in ids if i is not None)
+
+
 def make_detokenizer(tokenizer: Tokenizer) -> ByteDetokenizer | IncrementalDetokenizer:
     table = token_bytes(tokenizer)
     return ByteDetokenizer(table) if table is not None else IncrementalDetokenizer(tokenizer)
 
 
 class IncrementalDetokenizer:
-    """Any tokenizer: decode a short window of ids, emit only text that ends in a complete character."""
+    """Any tokenizer: decode a short window of ids, emit only text that ends in a complete character.
+
+    A run of byte-fallback pieces is held back whole until a token that is not one ends it: the
+    tokenizer's ByteFallback decoder turns a run into text all or nothing (an invalid run, complete
+    characters and all, becomes one U+FFFD per byte), so only the whole run decodes as
+    `tokenizer.decode` of the whole completion does."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self.pieces = byte_pieces(tokenizer)
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = 0  # ids before this have been turned into text
@@ -90,6 +105,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if token_id in self.pieces:
+            return ""  # inside a run of byte pieces: its text depends on the whole run
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         text = self._decode(self.ids[self.prefix_offset:])
         if len(text) > len(prefix) and not text.endswith(REPLACEMENT):

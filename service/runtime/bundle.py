@@ -64,11 +64,24 @@ class ModelSpec(BaseModel):
     vocab_size: int
     n_ctx: int  # longest sequence, prompt + generated
     n_layer: int
-    n_head: int
+    n_head: int  # query heads
     d_model: int
     d_head: int
     eos_token_id: int
     bos_token_id: int | None = None
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (older bundles)
+    eos_token_ids: list[int] | None = None  # every id that ends generation, when more than eos_token_id
+    architecture: str = "gpt2"  # gpt2 or llama (rotary positions, RMSNorm, SwiGLU)
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of the KV cache: n_kv_head, or n_head."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Every id that ends generation."""
+        return self.eos_token_ids or [self.eos_token_id]
 
 
 def sha256_file(path: Path) -> str:

@@ -5,7 +5,7 @@ engine serves the static-cache graph through `service.runtime.static_runner` ins
 
 `ConcatRunner.step(input_ids, position_ids, attention_mask, cache) -> (logits, cache)` runs one
 prefill or decode step of the bundle's decoder graph. The cache is a list of 2·n_layer arrays
-[batch, n_head, past_seq, d_head] in graph order (layer 0 key, layer 0 value, layer 1 key, ...).
+[batch, kv heads, past_seq, d_head] in graph order (layer 0 key, layer 0 value, layer 1 key, ...).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ConcatRunner:
 
     def empty_cache(self, batch: int) -> list[np.ndarray]:
         m = self.manifest.model
-        return [np.zeros((batch, m.n_head, 0, m.d_head), dtype=self.cache_dtype) for _ in range(2 * m.n_layer)]
+        return [np.zeros((batch, m.kv_heads, 0, m.d_head), dtype=self.cache_dtype) for _ in range(2 * m.n_layer)]
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:

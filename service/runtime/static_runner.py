@@ -28,7 +28,7 @@ class CacheShape:
     """The graph's KV cache tensors: per layer a key and a value buffer of this shape per slot."""
 
     n_layer: int
-    n_head: int
+    n_head: int  # key/value heads: a grouped-query model caches fewer than it has query heads
     d_head: int
     max_seq: int  # positions per slot: the model context
     dtype: str = "float32"
@@ -52,7 +52,7 @@ class StaticRunner:
         self.tokenizer, self.session = g.tokenizer, g.session
         m = self.manifest.model
         self.vocab_size = m.vocab_size
-        self.cache_shape = CacheShape(m.n_layer, m.n_head, m.d_head, m.n_ctx, self.spec.dtype)
+        self.cache_shape = CacheShape(m.n_layer, m.kv_heads, m.d_head, m.n_ctx, self.spec.dtype)
         self._buffers: list[np.ndarray] = []  # the attached cache
         inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
         self._past_names, self._present_names = inputs[4:], outputs[1:]

@@ -44,8 +44,10 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Text -> ids. A literal `<|endoftext|>` in `text` maps to the EOS id, as in `tokenizers`."""
-        return self.hf.encode(text, add_special_tokens=False, is_pretokenized=False).ids
+        """Text -> ids, as transformers' `tokenizer(text).input_ids` gives them: with the special tokens
+        the tokenizer's post-processor adds (Llama's BOS; none for byte-level BPE like ours or GPT-2's).
+        A literal special token in `text` (`<|endoftext|>`) maps to its id, as in `tokenizers`."""
+        return self.hf.encode(text, add_special_tokens=True, is_pretokenized=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]

@@ -236,3 +236,20 @@ def test_min_new_tokens_defers_stop_strings(make_engine):
     run = run_alone(make_engine, greedy("t", prompt, 60, stop=[stop], min_new_tokens=first + 5, ignore_eos=True))
     assert len(run.tokens("t")) >= first + 5
     assert run.tokens("t") == free.tokens("t")[:len(run.tokens("t"))]
+
+
+def test_every_eos_id_of_the_bundle_ends_a_sequence(make_engine, engine_bundle, tmp_path):
+    """A model with several EOS ids (Llama 3's generation_config lists them): each one ends generation."""
+    import shutil
+
+    from service.runtime.bundle import read_manifest, write_manifest
+
+    prompt = [5, 6, 7]
+    first = drive(make_engine(), [greedy("probe", prompt, 1, ignore_eos=True)]).tokens("probe")[0]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(engine_bundle, bundle)
+    manifest = read_manifest(bundle)
+    manifest.model.eos_token_ids = [manifest.model.eos_token_id, first]
+    write_manifest(bundle, manifest)
+    run = drive(make_engine(bundle=bundle), [greedy("e", prompt, 8)])
+    assert run.tokens("e") == [first] and run.finish("e") is FinishReason.EOS

@@ -174,6 +174,9 @@ def test_tokenize_model_info_server_info(server, client, tokenizer, engine_model
     want = engine_model
     assert (m.name, m.vocab_size, m.context_tokens, m.eos_token_id) == (want.name, want.vocab_size, want.n_ctx, 0)
     assert m.provider == "CPUExecutionProvider" and m.graph == "static" and m.dtype == "float32"
+    assert (m.architecture, m.attention_heads, m.kv_heads, m.layers) == (
+        want.architecture, want.n_head, want.kv_heads, want.n_layer)
+    assert list(m.eos_token_ids) == [m.eos_token_id]
     s = client.server_info()
     assert s.kv_slots == server.settings.max_running and s.kv_free_tokens == s.kv_free_slots * want.n_ctx
     assert s.uptime_seconds > 0 and s.version

@@ -136,7 +136,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             m, runner = engine.model, engine.runner
             return pb.ModelInfo(name=m.name, vocab_size=m.vocab_size, context_tokens=m.n_ctx,
                                 eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
-                                provider=runner.session.get_providers()[0], graph=runner.graph_name)
+                                provider=runner.session.get_providers()[0], graph=runner.graph_name,
+                                architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,
+                                eos_token_ids=m.stop_ids, layers=m.n_layer)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):

@@ -1,0 +1,45 @@
+"""Random-weight Hugging Face Llama-family checkpoints, built and saved in the test (nothing from a hub),
+and transformers' own greedy continuation of a prompt, for parity tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128, rms_norm_eps=1e-6)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        num_key_value_heads=1, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32})),
+    "llama-linear-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+}
+
+
+def save_random(path, tokenizer, family: str, shard: bool = False, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    fields = dict(SMALL, vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.eos_id,
+                  **extra)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**fields)).eval()
+    with torch.no_grad():  # random init is near-uniform; wider weights make every logit matter
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    hf.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
+    tokenizer.save(path / "tokenizer.json")
+    return hf
+
+
+def greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()

@@ -1,0 +1,65 @@
+"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM built with
+transformers, saved locally, imported, and compared logit for logit and token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from model.checkpoint import load_model_dir  # noqa: E402
+from model.generate import generate  # noqa: E402
+from model.import_hf import import_hf, main  # noqa: E402
+from tests.model.hf_models import FAMILIES, greedy_hf, save_random  # noqa: E402
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, family):
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family, shard=family == "llama")
+    if family == "llama":
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # sharded
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    ours, tok = load_model_dir(tmp_path / "ours")
+    c = ours.config
+    assert (c.n_layer, c.n_head, c.kv_heads, c.d_model, c.ff_width, c.n_ctx) == (
+        2, 4, hf.config.num_key_value_heads, 64, 96, 128)
+    assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "swiglu", family == "qwen2")
+
+    ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert (got - expected).abs().max().item() <= 1e-4
+    prompt = ids[0, :6].tolist()
+    assert generate(ours, [prompt], 32, temperature=0.0)[0] == greedy_hf(hf, prompt, 32)
+
+
+def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path):
+    save_random(tmp_path / "hf", tiny_tokenizer, "llama")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5, 7]}))
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    ours, _ = load_model_dir(tmp_path / "ours")
+    assert (ours.config.eos_token_id, ours.config.eos_token_ids) == (0, [0, 5, 7])
+    assert json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"] == [0, 5, 7]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(architectures=["GPTNeoXForCausalLM"]), "architecture GPTNeoXForCausalLM is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(sliding_window=32, architectures=["MistralForCausalLM"], model_type="mistral"),
+     "sliding_window 32 is shorter than the context"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
+     "rope_scaling type 'yarn' is not supported"),
+    (dict(attention_bias=True), "attention_bias"),
+])
+def test_an_unsupported_checkpoint_is_refused_in_one_line(tiny_tokenizer, tmp_path, capsys, change, message):
+    save_random(tmp_path / "hf", tiny_tokenizer, "llama")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()  # what saving the checkpoint printed
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

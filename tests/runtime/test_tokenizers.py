@@ -1,0 +1,113 @@
+"""The server's tokenization and streamed text equal transformers', for the two kinds of tokenizer the
+Llama family uses: SentencePiece-style BPE with byte fallback (Llama 2, TinyLlama: `▁` word prefixes,
+`<0xE2>` byte pieces) and byte-level BPE (Qwen2, Llama 3, SmolLM2), each adding a BOS token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
+
+from service.engine.detokenizer import TextStream  # noqa: E402
+from service.runtime.tokenizer import Tokenizer  # noqa: E402
+
+CORPUS = ["Hello world, this is a test of the tokenizer.", "To be, or not to be: that is the question.",
+          "But soft, what light through yonder window breaks?"] * 20
+TEXTS = ["Hello world", "naïve café, 東京 😀!", "  leading spaces and\ttabs\nnewlines", "x", "<s> literal"]
+
+
+def sentencepiece_style(tmp_path: Path) -> HFTokenizer:
+    """BPE over `▁`-prefixed words whose vocabulary also holds the 256 byte pieces `<0x00>`...`<0xFF>` as
+    ordinary tokens (not special ones), for the characters its merges do not cover: Llama 2's layout."""
+    trained = HFTokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"],
+                                                            show_progress=False))
+    vocab_file, merges_file = trained.model.save(str(tmp_path))
+    vocab = json.loads(Path(vocab_file).read_text())
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    merges = [tuple(line.split()) for line in Path(merges_file).read_text().splitlines()[1:] if line.strip()]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = trained.normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return tok
+
+
+def byte_level(tmp_path: Path) -> HFTokenizer:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])])
+    return tok
+
+
+KINDS = {"sentencepiece-byte-fallback": (sentencepiece_style, "<s>", "</s>"),
+         "byte-level": (byte_level, "<|begin_of_text|>", "<|end_of_text|>")}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def pair(request, tmp_path_factory):
+    """(ours, transformers' AutoTokenizer) over one tokenizer.json, saved as transformers saves it."""
+    build, bos, eos = KINDS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=build(path), bos_token=bos, eos_token=eos)
+    fast.save_pretrained(path)
+    auto = transformers.AutoTokenizer.from_pretrained(path)
+    return Tokenizer.from_file(path / "tokenizer.json", eos_id=auto.eos_token_id), auto
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encoding_equals_transformers_with_the_bos(pair, text):
+    ours, auto = pair
+    assert ours.encode(text) == auto(text).input_ids
+    assert ours.encode(text)[0] == auto.bos_token_id
+
+
+def stream(ours: Tokenizer, ids: list[int], stop: list[str] | None = None) -> tuple[str, bool]:
+    text = TextStream(ours, stop)
+    deltas, stopped = [], False
+    for i in ids:
+        delta, stopped = text.push(i)
+        deltas.append(delta)
+        if stopped:
+            return "".join(deltas), True
+    tail, stopped = text.finish()
+    return "".join(deltas) + tail, stopped
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_transformers_decode(pair, text):
+    ours, auto = pair
+    ids = auto(text).input_ids[1:]  # a completion: what follows the BOS
+    assert stream(ours, ids)[0] == auto.decode(ids, skip_special_tokens=True)
+
+
+def test_byte_pieces_split_across_tokens_and_invalid_bytes(pair):
+    ours, auto = pair
+    ids = auto("東京 😀").input_ids[1:]
+    for cut in range(1, len(ids)):  # every prefix of a completion, complete characters or not
+        assert stream(ours, ids[:cut])[0] == auto.decode(ids[:cut], skip_special_tokens=True)
+    if ours.hf.token_to_id("<0xE2>") is not None:  # an invalid run of byte pieces: U+FFFD per byte, as transformers
+        lone = [ours.hf.token_to_id("<0xE2>"), ours.hf.token_to_id("<0x41>"), ours.hf.token_to_id("▁the")]
+        assert stream(ours, lone)[0] == auto.decode(lone) == "\ufffd\ufffd the"
+
+
+def test_a_stop_string_across_byte_pieces(pair):
+    ours, auto = pair
+    ids = auto("say 東京 now").input_ids[1:]
+    text, stopped = stream(ours, ids, stop=["京 n"])
+    assert stopped and text == "say 東"
