@@ -12,6 +12,8 @@ BENCHES = {
     "soak": ("bench.soak", "a mixed load for minutes: server memory, throughput and errors over time"),
     "onnx-variants": ("bench.onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
     "quantization": ("bench.quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),
+    "llama-shape": ("bench.llama_shape", "a random Llama-family model of a real size (SmolLM2-135M's) through "
+                                         "import-hf, export and the engine"),
 }
 
 

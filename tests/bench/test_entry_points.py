@@ -24,8 +24,11 @@ QUICK = {
     "soak": ["--bundle", "{bundle}", "--minutes", "0.05", "--interval", "1", "--concurrency", "2", "--out", "{out}"],
     "onnx-variants": ["--bundle", "{bundle}", "--repeats", "1", "--out", "{out}"],  # no --quality: needs the corpus
     "quantization": ["--bundle", "{bundle}", "--quick", "--out", "{out}"],
+    "llama-shape": ["--layers", "2", "--hidden", "64", "--intermediate", "96", "--heads", "4", "--kv-heads", "2",
+                    "--vocab", "4096", "--context", "64", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
+                    "--out", "{out}"],
 }
-SLOW = {"engine", "serve", "compare", "soak"}  # start a server, or export a graph with torch
+SLOW = {"engine", "serve", "compare", "soak", "llama-shape"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
