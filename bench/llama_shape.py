@@ -28,6 +28,7 @@ from bench.engine import throughput
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine.core import Engine
+from service.runtime.bundle import BundleError
 
 SMOLLM2_135M = dict(layers=30, heads=9, kv_heads=3, hidden=576, intermediate=1536, vocab=49152, context=2048)
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from export.cli import export_bundle
     from model.import_hf import import_hf
 
-    rows, timings = [], {}
+    rows, timings, refused = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t = time.perf_counter()
@@ -81,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         for graph in graphs:
             config = EngineConfig(bundle=root / "bundle", graph=graph, max_running=max(levels), threads=args.threads,
                                   max_batch_tokens=max(512, max(levels) * (args.prompt_tokens + 1)))
-            engine = Engine(config)
+            try:
+                engine = Engine(config)
+            except BundleError as e:  # the start-up self-check refused it on this CPU: say so, as serve would
+                refused[graph] = str(e)
+                print(f"{graph}: not served: {e}")
+                continue
             kv_mib = engine.kv.nbytes / 2**20
             engine.warm_up()
             throughput(engine, 2, args.prompt_tokens, 4, seed=99)
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             del engine
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result = {"machine": describe(), "shape": shape, "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "throughput": rows, "kv_cache_mib": kv_mib, "peak_rss_gib": peak_gib,
+              "new_tokens": args.new_tokens, "throughput": rows, "refused": refused, "kv_cache_mib": kv_mib,
+              "peak_rss_gib": peak_gib,
               **timings}
     md = render(result, argv)
     print(md)
@@ -115,6 +122,8 @@ def render(r: dict, argv: list[str] | None) -> str:
              "submitted at once, in-process; median of the runs.", "",
              "| graph | concurrency | tokens/s |", "|---|---|---|"]
     lines += [f"| `{t['graph']}` | {t['concurrency']} | {t['tokens_per_s']:.1f} |" for t in r["throughput"]]
+    for graph, why in r.get("refused", {}).items():
+        lines += ["", f"`{graph}` was not served: the start-up self-check refused it on this CPU. {why}"]
     return "\n".join(lines) + "\n"
 
 
