@@ -29,6 +29,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 # fixtures that build a model with torch (directly or through another of them)
 TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
+                            "llama_bundle",
                             "plain_bundle", "wrong_int8_bundle"})
 
 
@@ -167,6 +168,31 @@ def lively_bundle(tmp_path_factory, lively_model_dir) -> Path:
     path = tmp_path_factory.mktemp("engine_bundle")
     export_bundle(lively_model_dir, path, name="tiny")
     return path
+
+
+LLAMA = dict(pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_kv_head=2, d_ff=80,
+             layer_norm_eps=1e-6, tie_embeddings=False)  # the Llama-family pieces, Qwen2's Q/K/V biases included
+
+
+@pytest.fixture(scope="session")
+def llama_bundle(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A lively Llama-style model (rotary positions, RMSNorm, SwiGLU, 2 KV heads for 4 query heads, untied
+    head) exported with the default graphs and INT8."""
+    import torch
+
+    from export.cli import export_bundle
+    from model.checkpoint import save_model_dir
+
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, **LLAMA)
+    gen = torch.Generator().manual_seed(LIVELY_SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
+    root = tmp_path_factory.mktemp("llama")
+    save_model_dir(model, tiny_tokenizer, root / "model")
+    export_bundle(root / "model", root / "bundle", name="tiny-llama", int8=True)
+    return root / "bundle"
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,7 @@ import torch
 from model.attention import MultiHeadAttention, scaled_dot_product_attention
 from model.norm import RMSNorm
 from model.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
-from tests.conftest import make_model
-
-LLAMA = dict(pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, d_ff=80,
-             layer_norm_eps=1e-6, tie_embeddings=False)
+from tests.conftest import LLAMA, make_model
 
 
 def naive_gqa(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
