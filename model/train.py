@@ -39,8 +39,10 @@ from service.runtime.tokenizer import Tokenizer
 class TrainConfig:
     out: str = "models/shakespeare"  # model directory written (best checkpoint, log, card)
     vocab_size: int = 4096  # BPE vocabulary, special tokens included
+    arch: str = "gpt"  # "gpt": learned positions, LayerNorm, GELU; "llama": rotary, RMSNorm, SwiGLU, GQA
     n_layer: int = 6  # Transformer blocks
     n_head: int = 4  # attention heads
+    n_kv_head: int = 0  # key/value heads with --arch llama; 0 = half the heads (grouped-query attention)
     d_model: int = 256  # residual width
     n_ctx: int = 256  # context length trained on (and the model's maximum)
     dropout: float = 0.0  # embedding and residual dropout (0.1 cost 25% of throughput; see docs/model.md)
@@ -60,6 +62,19 @@ class TrainConfig:
     compile: bool = True  # torch.compile the training step (needs a C++ compiler; ~40 s to warm up)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     stop_at: int = 0  # stop early after this step (0 = max_steps); --resume carries on from there
+
+
+def architecture(cfg: TrainConfig) -> dict:
+    """The GPTConfig fields that make --arch llama: rotary positions, RMSNorm, a SwiGLU feed-forward as
+    wide as keeps the GELU MLP's parameter count (8/3 d, rounded up to 64), grouped-query attention, no
+    biases. --arch gpt leaves the defaults (GPT-2's layout)."""
+    if cfg.arch == "gpt":
+        return {}
+    if cfg.arch != "llama":
+        raise ValueError(f"arch must be 'gpt' or 'llama', got {cfg.arch!r}")
+    d_ff = -(-8 * cfg.d_model // 3 // 64) * 64
+    return dict(pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=d_ff,
+                n_kv_head=cfg.n_kv_head or max(1, cfg.n_head // 2))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -159,7 +174,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
 
     config = GPTConfig(vocab_size=tokenizer.vocab_size, n_ctx=cfg.n_ctx, n_layer=cfg.n_layer, n_head=cfg.n_head,
                        d_model=cfg.d_model, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
-                       eos_token_id=tokenizer.eos_id)
+                       eos_token_id=tokenizer.eos_id, **architecture(cfg))
     model = GPT(config)
     optimizers = make_optimizers(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)

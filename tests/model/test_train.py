@@ -99,3 +99,22 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert len(make_optimizers(model, TrainConfig(optimizer="adamw"))) == 1
     with pytest.raises(ValueError, match="optimizer"):
         make_optimizers(model, TrainConfig(optimizer="sgd"))
+
+
+@pytest.mark.slow
+def test_the_llama_architecture_trains_and_its_directory_exports(tmp_path):
+    """--arch llama: rotary positions, RMSNorm, SwiGLU, grouped-query attention; it learns, and the model
+    directory it writes exports and verifies like the GPT's."""
+    from export.cli import export_bundle
+    from export.verify import verify_static
+    from model.checkpoint import load_model_dir
+
+    train(tiny_config(tmp_path / "model", arch="llama", n_ctx=128), corpus=CORPUS)  # verify_static needs 104 positions
+    history = json.loads((tmp_path / "model" / "training_log.json").read_text())["history"]
+    assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.5
+    model, _ = load_model_dir(tmp_path / "model")
+    c = model.config
+    assert (c.pos_encoding, c.norm, c.mlp, c.kv_heads, c.ff_width) == ("rotary", "rmsnorm", "swiglu", 1, 128)
+    assert "--arch llama" in (tmp_path / "model" / "README.md").read_text()
+    export_bundle(tmp_path / "model", tmp_path / "bundle", name="llama")
+    assert verify_static(model, tmp_path / "bundle").passed
