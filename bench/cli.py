@@ -14,6 +14,7 @@ BENCHES = {
     "quantization": ("bench.quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),
     "llama-shape": ("bench.llama_shape", "a random Llama-family model of a real size (SmolLM2-135M's) through "
                                          "import-hf, export and the engine"),
+    "rotary-placement": ("bench.rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
 }
 
 

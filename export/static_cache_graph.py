@@ -4,8 +4,9 @@ The exported graph in `onnx_export.py` grows its cache by Concat, which copies t
 every step. This one is built op by op from the model's weights around onnxruntime's
 `com.microsoft.GroupQueryAttention`, with kv_num_heads = the model's key/value heads (equal to
 num_heads for GPT-2; fewer for grouped-query models, whose cache is that much smaller). For a
-Llama-style model the queries and keys are rotated first (`com.microsoft.RotaryEmbedding`, at
-`position_ids`, from cos/sin tables built at export), the norms are RMSNorms
+Llama-style model the queries and keys are rotated by the attention op itself (do_rotary, from
+cos/sin tables built at export), or where its kernel does not take the head width by
+`com.microsoft.RotaryEmbedding` ops at `position_ids` before it; the norms are RMSNorms
 (`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
 feed-forward is SwiGLU (gate and up in one MatMul):
 
@@ -118,8 +119,14 @@ class _Builder:
         return self.node("MatMul", [f, self.param(f"{prefix}.fc_out.weight", transpose=True)], [f"ff_out_{i}"])
 
 
-def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
+def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None) -> onnx.ModelProto:
+    """The graph. `rotary_in_attention` rotates queries and keys inside GroupQueryAttention (do_rotary,
+    positions from seqlens_k, 2 ops per layer fewer) instead of with RotaryEmbedding ops at position_ids;
+    None chooses it wherever the op allows it (head width a multiple of 16, as in every Llama-family
+    model). Both run at the same speed within 3% (docs/onnx.md)."""
     c = model.config
+    if rotary_in_attention is None:
+        rotary_in_attention = c.d_head % 16 == 0
     rms, eps, H, H_kv, D = c.norm == "rmsnorm", c.layer_norm_eps, c.n_head, c.kv_heads, c.d_head
     weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if c.pos_encoding == "sinusoidal":
@@ -138,7 +145,7 @@ def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
     for i in range(c.n_layer):
         p = f"blocks.{i}"
         qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, (H + 2 H_kv) D): q heads, k heads, v heads
-        if c.pos_encoding == "rotary":
+        if c.pos_encoding == "rotary" and not rotary_in_attention:
             q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
             b.node("Split", [qkv, b.const(f"qkv_split_{i}", np.array([H * D, H_kv * D, H_kv * D], np.int64))],
                    [q, k, v], axis=-1)
@@ -149,10 +156,13 @@ def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]
+        inside = c.pos_encoding == "rotary" and rotary_in_attention
         attn = b.node("GroupQueryAttention",
-                      [*qkv_inputs, in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length"],
+                      [*qkv_inputs, in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length",
+                       *([cos, sin] if inside else [])],
                       [f"attn_{i}", out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
-                      num_heads=H, kv_num_heads=H_kv, scale=1.0 / math.sqrt(D), do_rotary=0)
+                      num_heads=H, kv_num_heads=H_kv, scale=1.0 / math.sqrt(D), do_rotary=int(inside),
+                      rotary_interleaved=0)
         o = b.node("MatMul", [attn, b.param(f"{p}.attn.out_proj.weight", transpose=True)], [f"attn_out_{i}"])
         # x += o + b_O; h = Norm_2(x), in one pass
         h, x = b.skip_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", rms, eps, f"h2_{i}", f"x_{i}_attn")
@@ -179,7 +189,7 @@ def build_static_cache_graph(model: GPT) -> onnx.ModelProto:
     return onnx_model
 
 
-def export_static_cache_decoder(model: GPT, path: str | Path) -> Path:
+def export_static_cache_decoder(model: GPT, path: str | Path, rotary_in_attention: bool | None = None) -> Path:
     path = Path(path)
-    onnx.save(build_static_cache_graph(model.eval()), str(path))
+    onnx.save(build_static_cache_graph(model.eval(), rotary_in_attention), str(path))
     return path

@@ -27,8 +27,10 @@ QUICK = {
     "llama-shape": ["--layers", "2", "--hidden", "64", "--intermediate", "96", "--heads", "4", "--kv-heads", "2",
                     "--vocab", "4096", "--context", "64", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
                     "--out", "{out}"],
+    "rotary-placement": ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
+                         "--vocab", "4096", "--context", "128", "--steps", "2", "--rounds", "1", "--out", "{out}"],
 }
-SLOW = {"engine", "serve", "compare", "soak", "llama-shape"}  # start a server, or export a graph with torch
+SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
