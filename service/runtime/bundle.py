@@ -2,6 +2,7 @@
 
     <bundle>/bundle.json       this manifest: config, special ids, I/O specs, opset, weights hash
     <bundle>/tokenizer.json    the tokenizer, copied from the model directory
+    <bundle>/tokenizer_config.json, generation_config.json   an imported checkpoint's, when it had them
     <bundle>/model.onnx        the decoder graph (fp32); variants beside it (see `graphs`)
 
 `read_manifest` reads and checks the manifest; `service.runtime.session.open_graph` checks the rest

@@ -38,6 +38,7 @@ def test_the_graphs_match_pytorch_and_the_cache_holds_only_kv_heads(family_bundl
     model, _ = load_model_dir(model_dir)
     assert verify_static(model, bundle, "static").passed
     assert verify(model, ConcatRunner(bundle, graph="fp32", provider="cpu")).passed
+    assert (bundle / "generation_config.json").is_file()  # kept from the checkpoint, beside the tokenizer
     m = read_manifest(bundle).model
     assert (m.architecture, m.n_head, m.kv_heads) == ("llama", 4, hf.config.num_key_value_heads)
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64))
