@@ -141,22 +141,26 @@ LIVELY_STD = 0.5  # std of the redrawn weight matrices
 LIVELY_SEED = 2
 
 
-@pytest.fixture(scope="session")
-def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
-    """The tiny test model, with weight matrices ~ N(0, 0.5²): context-dependent, varied output."""
+def make_lively(**overrides):
+    """The tiny test model (with `overrides`), its weight matrices redrawn ~ N(0, 0.5²)."""
     import torch
 
-    from model.checkpoint import save_model_dir
-    from tests.conftest import make_model
-
-    model = make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128)
+    model = make_model(**overrides)
     gen = torch.Generator().manual_seed(LIVELY_SEED)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() >= 2:  # embeddings and projections; biases and LayerNorms keep their init
+            if p.dim() >= 2:  # embeddings and projections; biases and norms keep their init
                 p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
+    return model
+
+
+@pytest.fixture(scope="session")
+def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny test model, with weight matrices ~ N(0, 0.5²): context-dependent, varied output."""
+    from model.checkpoint import save_model_dir
+
     path = tmp_path_factory.mktemp("lively_model")
-    save_model_dir(model, tiny_tokenizer, path)
+    save_model_dir(make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128), tiny_tokenizer, path)
     return path
 
 
@@ -178,19 +182,11 @@ LLAMA = dict(pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, qk
 def llama_bundle(tmp_path_factory, tiny_tokenizer) -> Path:
     """A lively Llama-style model (rotary positions, RMSNorm, SwiGLU, 2 KV heads for 4 query heads, untied
     head) exported with the default graphs and INT8."""
-    import torch
-
     from export.cli import export_bundle
     from model.checkpoint import save_model_dir
 
-    model = make_model(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, **LLAMA)
-    gen = torch.Generator().manual_seed(LIVELY_SEED)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
     root = tmp_path_factory.mktemp("llama")
-    save_model_dir(model, tiny_tokenizer, root / "model")
+    save_model_dir(make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, **LLAMA), tiny_tokenizer, root / "model")
     export_bundle(root / "model", root / "bundle", name="tiny-llama", int8=True)
     return root / "bundle"
 
