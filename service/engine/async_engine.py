@@ -53,8 +53,9 @@ class RequestStream:
     """
 
     def __init__(self, request: GenerationRequest, timing: Timing, on_close: Callable[[RequestStream], None],
-                 abort: Callable[[str], None]):
+                 abort: Callable[[str], None], owner: object = None):
         self.request_id = request.request_id
+        self._owner = owner  # the engine's state of this request: compared by identity, never read
         self.n = request.n
         self.timing = timing
         self._on_close, self._abort = on_close, abort
@@ -179,7 +180,6 @@ class AsyncEngine:
         self._published = Published(e.stats(), 0)
         # the loop's own state
         self._streams: dict[str, RequestStream] = {}  # requests accepted and not ended
-        self._keys: dict[str, RequestState] = {}  # which state each stream belongs to (by identity)
         self._seqs_in_flight = 0  # their sequences
         self._submitted = 0  # add commands sent
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -202,8 +202,8 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         self._admit(request.n)
-        stream = RequestStream(request, state.timing(), self._forget, self.abort)
-        self._streams[state.id], self._keys[state.id] = stream, state
+        stream = RequestStream(request, state.timing(), self._forget, self.abort, owner=state)
+        self._streams[state.id] = stream
         self._seqs_in_flight += request.n
         self._submitted += 1
         self._commands.put((ADD, state))
@@ -226,7 +226,6 @@ class AsyncEngine:
         """The request has ended, in the engine or for its consumer: it no longer counts as in flight."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-            del self._keys[stream.request_id]
             self._seqs_in_flight -= stream.n
 
     def abort(self, request_id: str) -> None:
@@ -259,8 +258,8 @@ class AsyncEngine:
     def _dispatch(self, out: list[tuple[str, RequestState, TokenEvent | EngineError | None, Timing]]) -> None:
         now = time.monotonic()
         for request_id, state, item, timing in out:
-            if self._keys.get(request_id) is state:
-                stream = self._streams[request_id]
+            stream = self._streams.get(request_id)
+            if stream is not None and stream._owner is state:  # not a later request that reused the id
                 stream._put(item, timing, now)
                 if stream.ended:
                     self._forget(stream)

@@ -262,9 +262,10 @@ class Engine:
             logits[:, self.sampleable:] = -np.inf
         result = sample(logits, self._sampling_batch(seqs))
         now = time.monotonic()
+        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step
         for i, seq in enumerate(seqs):
-            out += self._update(seq, int(result.tokens[i]), result.logprob(i), result.top(i, seq.request.top_logprobs),
-                                now)
+            logprob = None if logprobs[i] != logprobs[i] else logprobs[i]  # NaN: the request asked for none
+            out += self._update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
         self._count(len(seqs))
         return out
 

@@ -117,10 +117,6 @@ class SampleOutput:
     top_ids: np.ndarray | None  # [B, N] most likely ids, when any row asked for alternatives
     top_logprobs: np.ndarray | None  # [B, N] their logprobs
 
-    def logprob(self, row: int) -> float | None:
-        value = float(self.logprobs[row])
-        return None if np.isnan(value) else value
-
     def top(self, row: int, k: int) -> list[tuple[int, float]] | None:
         if not k or self.top_ids is None:
             return None

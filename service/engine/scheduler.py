@@ -149,7 +149,7 @@ class Scheduler:
     def decode_inputs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The token each of slots [0, n) feeds next, and the position it goes to. A prompt part-way
         through chunked prefill feeds a placeholder where its next chunk starts (and overwrites it)."""
-        return self.kv.pending[:n], self.kv.lengths[:n].copy()
+        return self.kv.pending[:n], self.kv.lengths[:n]  # read by the runner before `decoded` advances them
 
     def decoded(self, n: int) -> None:
         """Slots [0, n) have each written one more position."""
