@@ -41,7 +41,8 @@ test: install
 # directory off sys.path (in the test processes and in the servers and CLIs they start) and
 # --import-mode=append puts the tree after site-packages, so `service` and `attnserve` are the installed
 # ones and only `tests` comes from the tree. Tests that need torch to build a model are skipped, each
-# with its reason in the report. Test tools: pytest, and cryptography for the TLS tests.
+# with its reason in the report. Test tools, installed after the image's removals: pytest, cryptography
+# for the TLS tests, and the openai client for the HTTP front.
 SERVING         := .venv-serving
 SERVING_BIN     := $(SERVING)/bin
 SERVING_SOURCES := pyproject.toml README.md attnserve service model export bench
@@ -49,15 +50,16 @@ SERVING_TESTS   ?= tests/engine tests/runtime tests/fronts tests/client tests/te
 
 # What the Dockerfile uninstalls from the image once attnserve is in (but pip and setuptools, which install
 # the sources again below): the server must run without them.
-IMAGE_REMOVES   := huggingface_hub hf_xet fsspec pyyaml httpx2 httpcore2 anyio h11 idna click tqdm filelock truststore
+IMAGE_REMOVES   := huggingface_hub hf_xet fsspec pyyaml httpx2 httpcore2 tqdm filelock truststore
 
 # the dependencies (the sources are installed again, without them, on every run)
 $(SERVING_BIN)/.installed: pyproject.toml constraints.txt Dockerfile
 	rm -rf $(SERVING)
 	$(PYTHON) -m venv $(SERVING)
 	mkdir -p $(SERVING)/src && cp -R $(SERVING_SOURCES) $(SERVING)/src/
-	$(SERVING_BIN)/pip install --quiet -c constraints.txt $(SERVING)/src pytest cryptography
+	$(SERVING_BIN)/pip install --quiet -c constraints.txt $(SERVING)/src
 	$(SERVING_BIN)/pip uninstall --quiet -y $(IMAGE_REMOVES)
+	$(SERVING_BIN)/pip install --quiet -c constraints.txt pytest cryptography openai
 	touch $@
 
 test-serving: $(SERVING_BIN)/.installed

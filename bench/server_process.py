@@ -36,9 +36,12 @@ class ServerProcess:
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = 0
         self.args = list(args)
         if module == "attnserve.cli":
-            self.args += ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(free_port())]
+            self.http_port = free_port()
+            self.args += ["--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port),
+                          "--metrics-port", str(free_port())]
         else:
             self.args += ["--port", str(self.port)]
         self.module = module

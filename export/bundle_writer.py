@@ -12,6 +12,7 @@ from export.variants import INT8
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from service.runtime.bundle import (
+    TOKENIZER_EXTRAS,
     GraphSpec,
     Manifest,
     ModelSpec,
@@ -99,12 +100,9 @@ def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     return {tok.content: idx for idx, tok in added.items() if tok.special}
 
 
-TOKENIZER_EXTRAS = ("tokenizer_config.json", "generation_config.json")  # from an imported checkpoint, when present
-
-
 def copy_tokenizer(model_dir: Path, bundle_dir: Path) -> None:
     """tokenizer.json, and beside it what an imported checkpoint brought: tokenizer_config.json (special
-    tokens, the chat template) and generation_config.json."""
+    tokens, the chat template), chat_template.jinja and generation_config.json."""
     shutil.copyfile(model_dir / TOKENIZER_FILE, bundle_dir / TOKENIZER_FILE)
     for name in TOKENIZER_EXTRAS:
         if (model_dir / name).is_file():

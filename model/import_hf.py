@@ -7,7 +7,8 @@ The source holds `config.json`, weights as `model.safetensors`, sharded safetens
 (`model.safetensors.index.json`), or for GPT-2 `pytorch_model.bin` (read with
 `torch.load(weights_only=True)`, which refuses arbitrary pickled objects), and a tokenizer as
 `tokenizer.json` (GPT-2 also `vocab.json` + `merges.txt`). `generation_config.json` gives the ids
-that end generation; it and `tokenizer_config.json` are kept in the model directory. Nothing is
+that end generation; it, `tokenizer_config.json` and `chat_template.jinja` (special tokens, the chat
+template) are kept in the model directory. Nothing is
 downloaded. An architecture or option the decoder does not have is refused in one line.
 
 GPT-2's Conv1D layers store weights as (in, out); our Linear layers store (out, in), so those
@@ -31,9 +32,9 @@ from model import hf_llama
 from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
+from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
 
-KEPT_FILES = ("tokenizer_config.json", "generation_config.json")  # copied into the model directory
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
@@ -161,7 +162,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{architecture}"})
-    for name in KEPT_FILES:
+    for name in TOKENIZER_EXTRAS:
         if (src / name).is_file():
             (out / name).write_bytes((src / name).read_bytes())
     return out

@@ -1,12 +1,14 @@
-"""`attnserve serve`: one process, the engine and its fronts (gRPC with health and reflection,
-Prometheus metrics), from start-up to a graceful drain.
+"""`attnserve serve`: one process, the engine and its fronts (gRPC with health and reflection, the
+OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful drain.
 
-    attnserve serve                                   # the shipped model on 127.0.0.1:50051
+    attnserve serve                                   # the shipped model: gRPC on 127.0.0.1:50051, HTTP on :8000
     attnserve serve --bundle my-bundle --host 0.0.0.0 --max-running 32
 
-Life cycle: bind (health NOT_SERVING) -> load the bundle -> warm up -> SERVING. On SIGTERM or
-SIGINT: health NOT_SERVING, new generation calls get UNAVAILABLE, requests in flight get
-`grace_period_s` to finish, then the process exits 0.
+Both fronts run in this process's one event loop, on the one engine (`FrontState`): one model, one
+queue, one set of limits. Life cycle: bind both ports (health NOT_SERVING, HTTP /health 503) -> load
+the bundle -> warm up -> SERVING. On SIGTERM or SIGINT: both report not serving, new generations get
+UNAVAILABLE / 503, requests in flight on either front get `grace_period_s` to finish, then the
+process exits 0.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.fronts.front_state import FrontState
 from service.fronts.grpc.security import BearerToken, server_credentials
 from service.fronts.grpc.servicer import SERVICE_NAME, TextGenerationService
+from service.fronts.http.app import HttpFront
+from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
 from service.settings import ServerSettings
 
@@ -36,7 +41,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 class Server:
-    """The whole server: gRPC (generation, health, reflection), metrics, and the engine.
+    """The whole server: gRPC (generation, health, reflection), HTTP (OpenAI's API), metrics, and the engine.
 
         server = Server(settings); await server.start(); ...; await server.drain()
     """
@@ -44,12 +49,15 @@ class Server:
     def __init__(self, settings: ServerSettings, engine: AsyncEngine | None = None):
         self.settings = settings
         self.metrics = Metrics()
-        self.service = TextGenerationService(settings, self.metrics)
+        self.state = FrontState(settings, self.metrics)
+        self.service = TextGenerationService(self.state)
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
         self.port = 0
+        self.http_port = 0
         self.metrics_port = 0
         token = settings.bearer_token()
+        self.http = HttpListener(HttpFront(self.state, token).app, settings) if settings.http_port else None
         self.grpc = grpc.aio.server(interceptors=[BearerToken(token)] if token else [], options=[
             ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
             ("grpc.max_send_message_length", settings.max_send_message_bytes),
@@ -61,7 +69,7 @@ class Server:
 
     @property
     def engine(self) -> AsyncEngine | None:
-        return self.service.engine
+        return self.state.engine
 
     async def start(self) -> None:
         """Bind and report NOT_SERVING, load and warm the model, then report SERVING."""
@@ -74,9 +82,13 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC port {s.host}:{s.port}")
         await self.grpc.start()
+        if self.http is not None:
+            self.http_port = await self.http.start()
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
-        log.info("gRPC listening on %s:%d (%s%s; health NOT_SERVING until the model is warm)%s", s.host, self.port,
+        scheme = "https" if credentials else "http"
+        log.info("gRPC listening on %s:%d%s (%s%s; not serving until the model is warm)%s", s.host, self.port,
+                 f", HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1" if self.http_port else "",
                  "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
@@ -87,22 +99,24 @@ class Server:
         self.metrics.watch(engine.stats)
         if s.warmup:
             await rehearse(engine)
-        self.service.attach(engine)
+        self.state.attach(engine)
         await self._set_health(SERVING)
-        log.info("serving %s (%s graph) on %s:%d", engine.model.name, engine.runner.graph_name,
-                 s.host, self.port)
+        log.info("serving %s (%s graph) on %s:%d%s", engine.model.name, engine.runner.graph_name,
+                 s.host, self.port, f" and HTTP :{self.http_port}" if self.http_port else "")
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
-        self.service.accepting = False
+        self.state.accepting = False
         await self.health.enter_graceful_shutdown()
-        log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.service.active, grace_s)
+        log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.state.active, grace_s)
         try:
-            if self.service.active:
-                await asyncio.wait_for(self.service.idle.wait(), timeout=grace_s)
+            if self.state.active:
+                await asyncio.wait_for(self.state.idle.wait(), timeout=grace_s)
         except TimeoutError:
-            log.warning("grace period over with %d request(s) in flight; cancelling them", self.service.active)
+            log.warning("grace period over with %d request(s) in flight; cancelling them", self.state.active)
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc.stop(grace=1.0)
         if self._engine is not None:
             await self._engine.shutdown()
@@ -144,6 +158,8 @@ async def serve(settings: ServerSettings) -> int:
     if starting in done and starting.exception() is not None:
         stopping.cancel()
         await server.grpc.stop(grace=0)
+        if server.http is not None:
+            await server.http.stop()
         server.metrics.close()
         error = starting.exception()
         log.error("start-up failed: %s", error)

@@ -30,11 +30,15 @@ class SettingsError(ValueError):
 class ServerSettings(BaseSettings, EngineConfig):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address to bind the gRPC server to (0.0.0.0 = all interfaces)")
+    host: str = Field("127.0.0.1", description="address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all "
+                                                       "interfaces)")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host, the "
+                                                             "same engine (0 = no HTTP front)")
     metrics_port: int = Field(9464, ge=0, le=65535,
                               description="Prometheus /metrics HTTP port on the same host (0 = no metrics server)")
-    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message accepted")
+    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message (gRPC) or "
+                                                                          "body (HTTP) accepted")
     max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
     stream_interval_ms: float = Field(
         5.0, ge=0, le=1000, description="a stream message waits until its oldest token is this old (the first "
@@ -49,7 +53,7 @@ class ServerSettings(BaseSettings, EngineConfig):
     warmup: bool = Field(True, description="run decode at every batch size and a few requests before reporting "
                                            "SERVING")
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain of the server; with tls_key_file, "
-                                                          "the gRPC port speaks TLS only")
+                                                          "the gRPC and HTTP ports speak TLS only")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
     tls_client_ca_file: Path | None = Field(
         None, description="PEM CA certificate(s); when set, clients must present a certificate it signed (mutual TLS)")

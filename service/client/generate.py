@@ -113,7 +113,7 @@ async def run_local(args: argparse.Namespace) -> int:
     from service.settings import ServerSettings
 
     settings = ServerSettings(bundle=args.bundle, graph=args.graph, max_running=max(args.n, 1) + 1, host="127.0.0.1",
-                              port=0, metrics_port=0, warmup=False, auth_token=None, auth_token_file=None,
+                              port=0, http_port=0, metrics_port=0, warmup=False, auth_token=None, auth_token_file=None,
                               tls_cert_file=None, tls_key_file=None, tls_client_ca_file=None)
     server = Server(settings)
     try:

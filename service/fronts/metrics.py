@@ -1,6 +1,6 @@
 """Prometheus metrics, served over HTTP on their own port (`metrics_port`) at /metrics.
 
-Latency histograms are observed by the servicer as each request progresses; the gauges read the
+Latency histograms are observed by each front as its requests progress (`front_state.Call`); the gauges read the
 engine's latest snapshot when Prometheus scrapes, so they cost nothing between scrapes. Each
 `Metrics` has its own registry, so several servers can live in one process (tests do).
 """
@@ -40,8 +40,9 @@ class Metrics:
                                     registry=r)
         self.generated_tokens = Counter("attnserve_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("attnserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.requests = Counter("attnserve_requests", "Finished RPCs by method and gRPC status code",
-                                ["method", "code"], registry=r)
+        self.requests = Counter("attnserve_requests", "Finished calls by protocol (grpc, http), method (RPC or "
+                                "path) and status (gRPC code name, HTTP status)", ["protocol", "method", "code"],
+                                registry=r)
         self._http: WSGIServer | None = None
 
     def watch(self, stats: Callable[[], EngineStats]) -> None:

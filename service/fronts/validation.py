@@ -86,9 +86,11 @@ class ModelFacts:
 
 
 def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str, Any],
-           model: ModelFacts) -> AcceptedRequest:
+           model: ModelFacts, default_max_new: int | None = None) -> AcceptedRequest:
     """Check a front's values and build the engine request. `sampling` and `stopping` hold only the
-    fields the client set; the others take their defaults (docs/api.md). Raises `InvalidRequest`."""
+    fields the client set; the others take their defaults (docs/api.md): an unset max_new_tokens is
+    `default_max_new` (else the engine's default), shrunk to the room the prompt leaves. Raises
+    `InvalidRequest`."""
     try:
         f = RequestFields(**fields)
     except ValidationError as e:
@@ -102,8 +104,8 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     else:
         ids, text = f.prompt_token_ids, None
     stopping = dict(stopping)
-    if not stopping.get("max_new_tokens"):
-        stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt)
+    if stopping.get("max_new_tokens") is None:
+        stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt, default_max_new)
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
                                 logprobs=f.logprobs, truncate_prompt=f.truncate_prompt)
@@ -112,8 +114,9 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo)
 
 
-def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_prompt: bool) -> int:
-    """An unset max_new_tokens: the engine's default, shrunk to the room the prompt leaves (unless
+def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_prompt: bool,
+                           default: int | None = None) -> int:
+    """An unset max_new_tokens: `default` or the engine's, shrunk to the room the prompt leaves (unless
     the prompt may be truncated to make room)."""
     room = model.n_ctx if truncate_prompt else model.n_ctx - prompt_tokens
-    return max(1, min(model.limits.default_max_new_tokens, room))
+    return max(1, min(default or model.limits.default_max_new_tokens, room))

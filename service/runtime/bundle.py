@@ -2,7 +2,8 @@
 
     <bundle>/bundle.json       this manifest: config, special ids, I/O specs, opset, weights hash
     <bundle>/tokenizer.json    the tokenizer, copied from the model directory
-    <bundle>/tokenizer_config.json, generation_config.json   an imported checkpoint's, when it had them
+    <bundle>/tokenizer_config.json, generation_config.json, chat_template.jinja
+                               an imported checkpoint's, when it had them (special tokens, chat template, EOS ids)
     <bundle>/model.onnx        the decoder graph (fp32); variants beside it (see `graphs`)
 
 `read_manifest` reads and checks the manifest; `service.runtime.session.open_graph` checks the rest
@@ -20,6 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError, model_validator
 
 MANIFEST_FILE = "bundle.json"
+# kept beside tokenizer.json from an imported checkpoint, into its model directory and its bundle
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 FORMAT = "attnserve-onnx"
 FORMAT_VERSION = 1
 AUTO_GRAPH = "auto"  # not a graph: asks for the fastest graph that is right on this CPU (graph_choice.py)

@@ -1,5 +1,5 @@
-"""The one shared live server: a real attnserve gRPC server on the engine bundle, started once for the
-session, and a client of it. Tests that need other settings (limits, TLS, a fault in the engine)
+"""The one shared live server: a real attnserve server on the engine bundle, gRPC and HTTP, started once
+for the session, and clients of it. Tests that need other settings (limits, TLS, a fault in the engine)
 start their own `ServerThread`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.fronts.server_harness import ServerThread, free_port, settings
 
 @pytest.fixture(scope="session")
 def server(engine_bundle):
-    with ServerThread(settings(engine_bundle, metrics_port=free_port())) as srv:
+    with ServerThread(settings(engine_bundle, metrics_port=free_port(), http_port=free_port())) as srv:
         yield srv
 
 

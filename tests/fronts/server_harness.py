@@ -34,7 +34,7 @@ def free_port() -> int:
 def settings(bundle: Path, **overrides) -> ServerSettings:
     """Settings for a test server on `bundle`. It serves the fp32 graph `static`, as `make_engine`'s engines
     do, so the two agree token for token on any bundle; `attnserve serve` on its own defaults to `auto`."""
-    values = dict(bundle=bundle, graph="static", host="127.0.0.1", port=0, metrics_port=0, max_running=8,
+    values = dict(bundle=bundle, graph="static", host="127.0.0.1", port=0, http_port=0, metrics_port=0, max_running=8,
                   max_batch_tokens=256, max_waiting=64, threads=1, grace_period_s=10.0)
     values.update(overrides)
     return ServerSettings(**values)
@@ -92,6 +92,12 @@ class ServerThread:
         while not self.server.port and time.monotonic() < deadline:
             time.sleep(0.01)
         return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP front's base URL (the settings must give it a port: `http_port=free_port()`)."""
+        assert self.server.http_port, "this server has no HTTP front"
+        return f"http://127.0.0.1:{self.server.http_port}"
 
     def drain(self, grace_s: float | None = None):
         """Begin draining; returns a future that completes when the server has stopped."""

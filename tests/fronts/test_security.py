@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import ssl
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from service.client import (
 from service.client.health_probe import check  # noqa: E402
 from service.settings import SettingsError, load_settings  # noqa: E402
 from tests.fronts.certs import CA  # noqa: E402
-from tests.fronts.server_harness import ServerThread, settings  # noqa: E402
+from tests.fronts.server_harness import ServerThread, free_port, settings  # noqa: E402
 
 TOKEN = "s3cr3t-token-for-tests"
 
@@ -45,7 +46,8 @@ def code_of(fn) -> grpc.StatusCode:
 
 @pytest.fixture(scope="module")
 def tls_server(engine_bundle, pki):
-    s = settings(engine_bundle, tls_cert_file=pki["server"].cert, tls_key_file=pki["server"].key)
+    s = settings(engine_bundle, tls_cert_file=pki["server"].cert, tls_key_file=pki["server"].key,
+                 http_port=free_port())
     with ServerThread(s) as srv:
         yield srv
 
@@ -62,7 +64,7 @@ def test_tls_serves_clients_that_trust_its_ca_and_nobody_in_plaintext(tls_server
 @pytest.fixture(scope="module")
 def mtls_server(engine_bundle, pki):
     s = settings(engine_bundle, tls_cert_file=pki["server"].cert, tls_key_file=pki["server"].key,
-                 tls_client_ca_file=pki["ca"].cert_file)
+                 tls_client_ca_file=pki["ca"].cert_file, http_port=free_port())
     with ServerThread(s) as srv:
         yield srv
 
@@ -75,6 +77,32 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(mtls_server, pki):
         grpc.StatusCode.UNAVAILABLE  # no client certificate
     stranger = channel_credentials(ca, pki["stranger"].cert, pki["stranger"].key)
     assert code_of(lambda: generate(mtls_server.address, credentials=stranger)) is grpc.StatusCode.UNAVAILABLE
+
+
+def https_completion(srv: ServerThread, ca, pair=None, scheme: str = "https") -> int:
+    """Completion tokens of a request over the HTTP front with the openai client, trusting `ca` and
+    presenting `pair` (a client certificate) if given."""
+    openai = pytest.importorskip("openai")
+    httpx2 = pytest.importorskip("httpx2")
+    context = ssl.create_default_context(cafile=str(ca.cert_file))
+    if pair is not None:
+        context.load_cert_chain(pair.cert, pair.key)
+    with httpx2.Client(verify=context) as http, openai.OpenAI(
+            base_url=f"{scheme}://127.0.0.1:{srv.server.http_port}/v1", api_key="x", http_client=http,
+            max_retries=0, timeout=30) as api:
+        return api.completions.create(model="", prompt="Rom.", max_tokens=4, temperature=0).usage.completion_tokens
+
+
+def test_tls_covers_the_http_port_too(tls_server, mtls_server, pki):
+    openai = pytest.importorskip("openai")
+    assert https_completion(tls_server, pki["ca"]) == 4
+    for refused in (lambda: https_completion(tls_server, pki["ca"], scheme="http"),  # plaintext
+                    lambda: https_completion(tls_server, pki["other"]),  # a CA the client does not trust
+                    lambda: https_completion(mtls_server, pki["ca"]),  # no client certificate
+                    lambda: https_completion(mtls_server, pki["ca"], pki["stranger"])):
+        with pytest.raises(openai.APIConnectionError):
+            refused()
+    assert https_completion(mtls_server, pki["ca"], pki["client"]) == 4
 
 
 @pytest.fixture(scope="module")

@@ -205,15 +205,15 @@ def test_metrics_endpoint(server, client):
         return urllib.request.urlopen(url, timeout=10).read().decode()
 
     # the status reaches the client just before the server counts it
-    wait_until(lambda: 'code="INVALID_ARGUMENT",method="Generate"' in scrape(), what="the refused call to be counted")
+    wait_until(lambda: 'code="INVALID_ARGUMENT",method="Generate",protocol="grpc"' in scrape(), what="the refused call to be counted")
     body = scrape()
     for name in ("attnserve_time_to_first_token_seconds_bucket", "attnserve_inter_token_latency_seconds_count",
                  "attnserve_request_duration_seconds_sum", "attnserve_queue_duration_seconds_count",
                  "attnserve_requests_running", "attnserve_requests_waiting", "attnserve_kv_cache_usage_ratio",
                  "attnserve_generated_tokens_total", "attnserve_prompt_tokens_total"):
         assert f"\n{name}" in body, name
-    assert 'attnserve_requests_total{code="OK",method="Generate"}' in body
-    assert 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Generate"}' in body
+    assert 'attnserve_requests_total{code="OK",method="Generate",protocol="grpc"}' in body
+    assert 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Generate",protocol="grpc"}' in body
     generated = next(float(line.split()[-1]) for line in body.splitlines()
                      if line.startswith("attnserve_generated_tokens_total "))
     assert generated >= 5

@@ -142,7 +142,7 @@ def test_deadline_while_running_frees_the_slot(engine_bundle):
         assert e.value.code() is CODE.DEADLINE_EXCEEDED
         wait_until(lambda: all_free(c), what="the slot to come back")
         assert 0 < srv.server.engine.engine.generated_tokens < 100  # stopped part-way
-        counted = srv.server.metrics.requests.labels("Generate", "DEADLINE_EXCEEDED")._value.get()
+        counted = srv.server.metrics.requests.labels("grpc", "Generate", "DEADLINE_EXCEEDED")._value.get()
         assert counted == 1
         with pytest.raises(grpc.RpcError) as e:  # the same for a stream, after its first tokens
             for _ in c.stream_responses("Rom.", max_new_tokens=100, ignore_eos=True, timeout_s=0.4):
@@ -160,7 +160,7 @@ def test_cancel_mid_stream_frees_the_slot_and_spares_the_others(engine_bundle):
         assert all(m.token_ids for m in got)
         assert c.server_info().kv_free_slots < c.server_info().kv_slots
         call.cancel()
-        wait_until(lambda: srv.server.metrics.requests.labels("GenerateStream", "CANCELLED")._value.get() == 1,
+        wait_until(lambda: srv.server.metrics.requests.labels("grpc", "GenerateStream", "CANCELLED")._value.get() == 1,
                    what="the cancel to reach the server")
         result = survivor.result(60)
         assert len(result.completions[0].token_ids) == 60
@@ -192,4 +192,4 @@ def test_a_model_fault_fails_only_that_step_and_the_server_keeps_serving(engine_
         assert e.value.code() is CODE.INTERNAL and "injected fault" in e.value.details()
         assert len(c.generate("Rom.", max_new_tokens=10, ignore_eos=True).completions[0].token_ids) == 10
         wait_until(lambda: all_free(c), what="every slot to come back")
-        assert srv.server.metrics.requests.labels("Generate", "INTERNAL")._value.get() == 1
+        assert srv.server.metrics.requests.labels("grpc", "Generate", "INTERNAL")._value.get() == 1

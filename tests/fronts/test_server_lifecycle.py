@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import grpc
+import httpx2  # the HTTP client the openai client brings
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -97,7 +98,7 @@ def start_process(bundle: Path, port: int, *extra: str) -> subprocess.Popen:
     """`attnserve serve` in its own process, decode slowed. It serves the graph `static`: with `auto` on a
     bundle with INT8 graphs, start-up would time and self-check them with the slowed decode too."""
     return subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "--bundle", str(bundle), "--graph", "static",
-                             "--port", str(port), "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens",
+                             "--port", str(port), "--http-port", "0", "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens",
                              "64", "--threads", "1", *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -113,23 +114,34 @@ def wait_serving(proc: subprocess.Popen, address: str) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_stream_then_exits_0(engine_bundle):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    proc = start_process(engine_bundle, port)
+def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bundle):
+    """A gRPC stream and an HTTP stream in flight when SIGTERM arrives: both finish whole, while new calls
+    get UNAVAILABLE and 503, gRPC health says NOT_SERVING and HTTP /health 503; then the process exits 0."""
+    port, http_port = free_port(), free_port()
+    address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+    proc = start_process(engine_bundle, port, "--http-port", str(http_port))
     try:
         wait_serving(proc, address)
-        with Client(address, timeout_s=60) as c:
+        with Client(address, timeout_s=60) as c, httpx2.Client(base_url=url, timeout=60) as h:
             call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=100, ignore_eos=True), timeout=60)
             first = next(call)
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
-            with pytest.raises(grpc.RpcError) as e:
-                c.generate("Ham.", max_new_tokens=2)
-            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            rest = list(call)
+            body = {"prompt": "Ham.", "max_tokens": 100, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with h.stream("POST", "/v1/completions", json=body) as sse:
+                events = sse.iter_lines()
+                next(events)
+                proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate("Ham.", max_new_tokens=2)
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert h.get("/health").status_code == 503
+                assert h.post("/v1/completions", json={"prompt": "Mac."}).status_code == 503
+                rest = list(call)
+                http_rest = [line for line in events if line]
         assert sum(len(m.token_ids) for m in [first, *rest]) == 100
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 100
+        assert http_rest[-1] == "data: [DONE]" and json.loads(http_rest[-2][6:])["usage"]["completion_tokens"] == 100
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert "draining" in err and "stopped" in err
@@ -183,7 +195,7 @@ def test_sigint_on_an_idle_server_exits_0(engine_bundle):
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     code = ("import sys; from attnserve.cli import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, "serve", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", code, "serve", "--http-port", "0", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60, env=env)
 
 

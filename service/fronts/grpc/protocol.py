@@ -17,8 +17,8 @@ import numpy as np
 from attnserve.v1 import generate_pb2 as pb
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.sequence import Timing
+from service.fronts.front_state import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept
-from service.runtime.tokenizer import Tokenizer
 
 OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed")
 FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -50,25 +50,11 @@ def sampling_values(msg: pb.SamplingParams) -> dict:
 
 def stopping_values(msg: pb.StoppingCriteria) -> dict:
     """The stopping fields; max_new_tokens 0 means unset (the default applies)."""
-    return {"max_new_tokens": msg.max_new_tokens, "min_new_tokens": msg.min_new_tokens, "stop": list(msg.stop),
+    return {"max_new_tokens": msg.max_new_tokens or None, "min_new_tokens": msg.min_new_tokens, "stop": list(msg.stop),
             "stop_token_ids": list(msg.stop_token_ids), "ignore_eos": msg.ignore_eos}
 
 
 # ---- engine events -> protobuf -------------------------------------------------------------------
-
-class TokenTexts:
-    """Each token's own text (for logprobs), decoded once."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
-
 
 def token_logprob(event: TokenEvent, texts: TokenTexts) -> pb.TokenLogprob:
     top = [pb.TokenLogprob(token_id=t, logprob=lp, text=texts(t)) for t, lp in event.top_logprobs or ()]

@@ -1,0 +1,181 @@
+"""What the fronts share at run time: the one engine, whether it takes work, the requests in flight
+(for the drain), the streaming cadence, the retry-after hint, and each call's metrics.
+
+    state = FrontState(settings, metrics)      # one per process; every front holds it
+    state.attach(engine)                        # once the model is warm: fronts start accepting
+    engine = state.admit()                      # NotReady while loading, EngineStopped once draining
+    with state.in_flight(): ...                 # a generation in progress (the drain waits for these)
+
+One engine, one queue, one set of limits: a request over gRPC and one over HTTP are admitted by the
+same `AsyncEngine.submit`, counted in the same `active`, and drained together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+from service import logs
+from service.engine.async_engine import AsyncEngine, RequestStream
+from service.engine.errors import EngineStopped, NotReady
+from service.engine.request import TokenEvent
+from service.fronts.metrics import Metrics
+from service.fronts.validation import AcceptedRequest, ModelFacts
+from service.runtime.tokenizer import Tokenizer
+from service.settings import ServerSettings
+
+log = logging.getLogger("attnserve.server")
+
+COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
+STREAM_FANOUT = 8  # adaptive streaming: about this many stream messages per model step in all
+MAX_TOKENS_PER_MESSAGE = 16
+
+
+class TokenTexts:
+    """Each token's own text (for logprobs), decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+class FrontState:
+    def __init__(self, settings: ServerSettings, metrics: Metrics):
+        self.settings = settings
+        self.metrics = metrics
+        self.engine: AsyncEngine | None = None  # set once the model is loaded and warm
+        self.accepting = False  # False while loading and once draining
+        self.started = time.monotonic()
+        self.completions: deque[float] = deque(maxlen=4096)  # finish times, for the retry-after hint
+        self.active = 0  # generations in progress, over every front
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.texts: TokenTexts | None = None
+        self.model: ModelFacts | None = None
+        self.min_age_s = settings.stream_interval_ms / 1000
+        self.max_delay_s = settings.stream_max_delay_ms / 1000
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.texts = TokenTexts(engine.tokenizer)
+        n_ctx = engine.model.n_ctx
+        longest = max(len(engine.tokenizer.decode([i])) for i in range(engine.model.vocab_size))
+        # no longer text can tokenize to n_ctx tokens
+        self.model = ModelFacts(engine.tokenizer, n_ctx, engine.limits, max_prompt_chars=n_ctx * max(longest, 1))
+        self.accepting = True
+
+    @property
+    def serving(self) -> bool:
+        return self.accepting and self.engine is not None
+
+    def ready(self) -> AsyncEngine:
+        """The engine, for calls that need the model but start no generation (model info, tokenize)."""
+        if self.engine is None:
+            raise NotReady("the model is still loading; retry shortly")
+        return self.engine
+
+    def admit(self) -> AsyncEngine:
+        """The engine, for a new generation; refused while loading and once draining."""
+        if not self.accepting:
+            raise EngineStopped("the server is draining; retry on another replica") if self.engine \
+                else NotReady("the model is still loading; retry shortly")
+        return self.engine
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        self.in_flight_enter()
+        try:
+            yield
+        finally:
+            self.in_flight_leave()
+
+    def in_flight_enter(self) -> None:
+        self.active += 1
+        self.idle.clear()
+
+    def in_flight_leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.idle.set()
+
+    def tokens_per_message(self) -> int:
+        """Tokens a stream message waits for (`stream_tokens`). Adaptive: 1 while few sequences run;
+        beyond STREAM_FANOUT, enough that the whole server sends about STREAM_FANOUT messages per
+        model step. Each message costs the server and the client CPU that the model would use."""
+        if self.settings.stream_tokens:
+            return self.settings.stream_tokens
+        running = self.engine.running_sequences if self.engine else 0
+        return min(-(-running // STREAM_FANOUT), MAX_TOKENS_PER_MESSAGE) or 1
+
+    async def next_message(self, stream: RequestStream) -> list[TokenEvent]:
+        """A stream's next events, gathered as the streaming settings say (the first token goes at once)."""
+        if not stream.timing.first_token_at:
+            return await stream.next_batch()
+        return await stream.next_batch(self.tokens_per_message(), self.min_age_s, self.max_delay_s)
+
+    def retry_after_ms(self) -> int:
+        """How long until a queue place is likely free: waiting requests over the recent completion rate."""
+        now = time.monotonic()
+        recent = sum(1 for t in self.completions if t > now - COMPLETION_WINDOW_S)
+        if not recent or self.engine is None:
+            return 1000
+        rate = recent / COMPLETION_WINDOW_S
+        return int(min(30_000, max(100, 1000 * (self.engine.stats().waiting_requests + 1) / rate)))
+
+
+class Call:
+    """One call in progress, on any front: its request id (in every log line), latency metrics, and
+    the count of calls by protocol, method and outcome."""
+
+    def __init__(self, state: FrontState, protocol: str, method: str):
+        self.state, self.protocol, self.method = state, protocol, method
+        self.metrics = state.metrics
+        self.wire: AcceptedRequest | None = None
+        self.streams: list[RequestStream] = []
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
+
+    def accepted(self, wire: AcceptedRequest, stream: RequestStream) -> None:
+        self.wire = wire
+        self.streams.append(stream)
+        logs.request_id.set(wire.request_id)
+        self.prompt_tokens += len(wire.request.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(len(wire.request.prompt_token_ids))
+
+    def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
+        stream = stream or self.streams[0]
+        key = id(stream)
+        if events and not any(k[0] == key for k in self._last):
+            t = stream.timing
+            self.metrics.time_to_first_token.observe(t.first_token_at - t.arrival)
+            self.metrics.queue_duration.observe((t.scheduled_at or t.first_token_at) - t.arrival)
+        itl = self.metrics.inter_token_latency
+        for e in events:
+            prev = self._last.get((key, e.index))
+            if prev is not None:
+                itl.observe(e.time - prev)
+            self._last[(key, e.index)] = e.time
+        self.tokens += len(events)
+        self.metrics.generated_tokens.inc(len(events))
+
+    def finished(self, code: str, ok: bool) -> None:
+        """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
+        self.metrics.requests.labels(self.protocol, self.method, code).inc()
+        if self.wire is None:
+            return
+        total = time.monotonic() - min(s.timing.arrival for s in self.streams)
+        if ok:
+            self.metrics.request_duration.observe(total)
+            self.state.completions.append(time.monotonic())
+        log.info("%s %s %s", self.protocol, self.method, code, extra={
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})

@@ -1,0 +1,226 @@
+"""Engine events -> OpenAI's response bodies: completions and chat completions, whole or as
+server-sent-event chunks. Pure conversion, no I/O.
+
+A request with P prompts and `n` samples has P·n choices; prompt p's sample j is choice p·n + j,
+as OpenAI numbers them. Each choice's text is the concatenation of its events' text deltas (the
+detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.engine.request import FinishReason, TokenEvent
+from service.fronts.validation import AcceptedRequest
+from service.runtime.tokenizer import Tokenizer
+
+FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
+DONE = b"data: [DONE]\n\n"
+
+
+class TokenStrings:
+    """Each token as OpenAI's logprobs name it: its text, or `bytes:\\xe2\\x80` where its bytes are only
+    part of a UTF-8 character (so two such tokens never share a name); with its bytes for chat."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            raw = self._tokenizer.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            found = self._cache[token_id] = (text, list(raw))
+        return found
+
+    def text(self, token_id: int) -> str:
+        return self(token_id)[0]
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Choice:
+    """One choice as it accumulates."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    chars: int = 0  # characters of text so far (for text_offset)
+    finish_reason: str | None = None
+    tokens: int = 0
+
+
+class ResponseBuilder:
+    """What the two endpoints share: the id, the model, the choices' numbering and the counts."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.wires = wires
+        self.texts = texts
+        self.n = wires[0].request.n
+        self.include_usage = include_usage
+        self.choices = [Choice(p * self.n + j) for p in range(len(wires)) for j in range(self.n)]
+        self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in wires)
+
+    def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, Any]]:
+        """Fold events in; returns each touched choice's new text and logprobs."""
+        raise NotImplementedError
+
+    def add(self, stream_index: int, events: list[TokenEvent]) -> None:
+        self._add(stream_index, events)
+
+    def choice(self, stream_index: int, event: TokenEvent) -> Choice:
+        return self.choices[stream_index * self.n + event.index]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+        if not chunk:
+            body["usage"] = self.usage()
+        elif self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> bytes:
+        body = self.envelope([], chunk=True)
+        body["usage"] = self.usage()
+        return sse(body)
+
+
+class CompletionBuilder(ResponseBuilder):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
+        super().__init__(model, wires, texts, include_usage)
+        self.want_logprobs = wires[0].want_logprobs
+        self.logprobs: list[dict[str, list]] = [
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in self.choices]
+        self._echoed: set[int] = set()
+
+    def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, dict | None]]:
+        touched: dict[int, tuple[list[str], dict | None]] = {}
+        for e in events:
+            c = self.choice(stream_index, e)
+            delta, lp = touched.setdefault(c.index, ([], self._empty_logprobs() if self.want_logprobs else None))
+            if c.index not in self._echoed:
+                self._echoed.add(c.index)
+                wire = self.wires[stream_index]
+                if wire.echo:
+                    delta.append(wire.prompt_text)
+                    c.text.append(wire.prompt_text)
+                    c.chars += len(wire.prompt_text)
+            if lp is not None:
+                for target in (lp, self.logprobs[c.index]):
+                    target["tokens"].append(self.texts.text(e.token_id))
+                    target["token_logprobs"].append(e.logprob)
+                    target["top_logprobs"].append(self._top(e))
+                    target["text_offset"].append(c.chars)
+            delta.append(e.text)
+            c.text.append(e.text)
+            c.chars += len(e.text)
+            c.tokens += 1
+            if e.finish_reason is not None:
+                c.finish_reason = FINISH[e.finish_reason]
+        return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
+
+    @staticmethod
+    def _empty_logprobs() -> dict[str, list]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _top(self, e: TokenEvent) -> dict[str, float]:
+        top = {self.texts.text(t): lp for t, lp in e.top_logprobs or ()}
+        top.setdefault(self.texts.text(e.token_id), e.logprob)  # the sampled token is always there, as in OpenAI's
+        return top
+
+    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
+        out = []
+        for index, (text, lp) in self._add(stream_index, events).items():
+            choice = {"index": index, "text": text, "logprobs": lp,
+                      "finish_reason": self.choices[index].finish_reason}
+            out.append(sse(self.envelope([choice], chunk=True)))
+        return out
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": c.index, "text": "".join(c.text),
+                    "logprobs": self.logprobs[c.index] if self.want_logprobs else None,
+                    "finish_reason": c.finish_reason} for c in self.choices]
+        return self.envelope(choices, chunk=False)
+
+
+class ChatBuilder(ResponseBuilder):
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
+        super().__init__(model, wires, texts, include_usage)
+        self.want_logprobs = wires[0].want_logprobs
+        self.logprobs: list[list[dict]] = [[] for _ in self.choices]
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, list | None]]:
+        touched: dict[int, tuple[list[str], list | None]] = {}
+        for e in events:
+            c = self.choice(stream_index, e)
+            delta, lp = touched.setdefault(c.index, ([], [] if self.want_logprobs else None))
+            if lp is not None:
+                entry = {**self._entry(e.token_id, e.logprob),
+                         "top_logprobs": [self._entry(t, v) for t, v in e.top_logprobs or ()]}
+                lp.append(entry)
+                self.logprobs[c.index].append(entry)
+            delta.append(e.text)
+            c.text.append(e.text)
+            c.tokens += 1
+            if e.finish_reason is not None:
+                c.finish_reason = FINISH[e.finish_reason]
+        return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
+
+    def role_chunks(self) -> list[bytes]:
+        """The first chunk of each choice: its role."""
+        return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}], chunk=True)) for c in self.choices]
+
+    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
+        out = []
+        for index, (text, lp) in self._add(stream_index, events).items():
+            choice = {"index": index, "delta": {"content": text}, "logprobs": {"content": lp} if lp is not None else
+                      None, "finish_reason": self.choices[index].finish_reason}
+            out.append(sse(self.envelope([choice], chunk=True)))
+        return out
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs else None,
+                    "finish_reason": c.finish_reason} for c in self.choices]
+        return self.envelope(choices, chunk=False)

@@ -1,0 +1,149 @@
+"""The request bodies of the OpenAI API, as far as this server serves them: their fields and types.
+
+Only types live here. Every range (temperature, top_p, n, max_tokens, the stop strings, ...) is the
+engine's and is checked by `service.fronts.validation.accept`, for this front and the gRPC front
+alike. Fields OpenAI defines that this server cannot honour (`suffix`, `logit_bias`, `tools`, a
+JSON `response_format`, `best_of` other than `n`) are refused by name rather than ignored; fields
+nobody defines are ignored, as OpenAI-compatible servers do, so that clients which send extras work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from service.engine.errors import InvalidRequest
+
+Number = StrictInt | StrictFloat
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints take: OpenAI's sampling fields and vLLM's extensions (top_k, min_p, ...)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    seed: StrictInt | None = None
+    user: StrictStr | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM's extensions
+    top_k: StrictInt | None = None  # -1 or 0: no limit
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    # the server's deadline for the whole request, in seconds (or the X-Request-Timeout header)
+    timeout: Number | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias", "is not supported by this server")
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling values the client set (unset ones keep the engine's defaults)."""
+        values = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "seed": self.seed,
+                  "top_k": 0 if self.top_k == -1 else self.top_k}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def stopping(self, max_tokens: int | None) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        values = {"max_new_tokens": max_tokens, "min_new_tokens": self.min_tokens, "stop": stop,
+                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+        return {name: value for name, value in values.items() if value is not None}
+
+
+Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None  # top alternatives per token; 0 = the chosen token's logprob only
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise InvalidRequest("suffix", "is not supported by this server (no insertion)")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, as text or token ids: one choice group each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("prompt", "is empty; give a string, a list of strings or a list of token ids")
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # templates may read more (name, tool_call_id, ...)
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise InvalidRequest("tools", "is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format", "only {'type': 'text'} is supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them: plain dicts, text parts joined, None values dropped
+        (as transformers' apply_chat_template passes them)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {k: v for k, v in m.model_dump().items() if v is not None}
+            if isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise InvalidRequest(f"messages[{i}].content[{j}]",
+                                             f"only text parts are supported; got type {part.type!r}")
+                    parts.append(part.text)
+                message["content"] = "".join(parts)
+            out.append(message)
+        return out
+
