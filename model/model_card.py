@@ -32,8 +32,15 @@ def plot_loss_curve(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, command: str) -> None:
-    """`command` is the `attnserve train` line that reproduces the run."""
+TITLES = {"gpt": "Shakespeare GPT", "llama": "Shakespeare, Llama-style"}
+LAYOUTS = {"gpt": "learned positions, LayerNorm, GELU feed-forward, multi-head attention",
+           "llama": "rotary positions, RMSNorm, SwiGLU feed-forward, grouped-query attention"}
+
+
+def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, command: str,
+                     comparison: str = "") -> None:
+    """`command` is the `attnserve train` line that reproduces the run; `comparison` a section of the
+    card that compares it with the other candidates (model.pick_default)."""
     from model.generate import generate
 
     r, c, t = log["result"], log["model_config"], log["train_config"]
@@ -46,9 +53,11 @@ def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, com
                       "--temperature 0.8 --top-k 50 --seed 0")
     optimizer = ("Muon for the blocks' weight matrices and AdamW (β = 0.9, 0.95) for the rest"
                  if t.get("optimizer") == "muon" else "AdamW (β = 0.9, 0.95)")
-    card = f"""# attnserve default model: Shakespeare GPT
+    arch = t.get("arch", "gpt")
+    card = f"""# attnserve default model: {TITLES.get(arch, arch)}
 
-A {r['parameters'] / 1e6:.2f}M-parameter decoder-only Transformer trained from scratch on CPU.
+A {r['parameters'] / 1e6:.2f}M-parameter decoder-only Transformer ({LAYOUTS.get(arch, arch)}) trained from
+scratch on CPU.
 
 | | |
 |---|---|
@@ -80,7 +89,7 @@ training plays with Hugging Face `tokenizers`.
 `training_log.json` has every setting and the validation history; `loss_curve.png` plots it.
 
 ![loss curve](loss_curve.png)
-
+{comparison}
 ## Sample
 ```
 {sample_command}

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
+from service.engine.errors import EngineStopped
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.fronts.front_state import FrontState
 from service.fronts.grpc.security import BearerToken, server_credentials
@@ -37,6 +38,7 @@ from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
 
+END_WAIT_S = 2.0  # after the grace period: how long the fronts get to tell clients their requests ended
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -114,7 +116,12 @@ class Server:
             if self.state.active:
                 await asyncio.wait_for(self.state.idle.wait(), timeout=grace_s)
         except TimeoutError:
-            log.warning("grace period over with %d request(s) in flight; cancelling them", self.state.active)
+            log.warning("grace period over with %d request(s) in flight; ending them", self.state.active)
+            if self._engine is not None:
+                self._engine.end_all(EngineStopped(f"the server stopped before the request finished (its "
+                                                   f"grace period of {grace_s:g} s for requests in flight is over)"))
+                with contextlib.suppress(TimeoutError):  # each front sends its error (UNAVAILABLE, 503)
+                    await asyncio.wait_for(self.state.idle.wait(), timeout=END_WAIT_S)
         if self.http is not None:
             await self.http.stop()
         await self.grpc.stop(grace=1.0)

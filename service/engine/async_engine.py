@@ -4,7 +4,7 @@
     engine.start()
     async for event in engine.submit(request):     # TokenEvent, token by token
         ...
-    engine.abort(request_id); engine.stats(); await engine.shutdown()
+    engine.abort(request_id); engine.end_all(error); engine.stats(); await engine.shutdown()
 
 One thread owns the engine: it alone reads or writes the scheduler, the KV cache and the requests'
 state. The event loop talks to it through one queue of commands (add, abort, stop) and reads only
@@ -229,7 +229,14 @@ class AsyncEngine:
             self._seqs_in_flight -= stream.n
 
     def abort(self, request_id: str) -> None:
-        self._commands.put((ABORT, request_id))
+        self._commands.put((ABORT, (request_id, None)))
+
+    def end_all(self, error: EngineError) -> int:
+        """End every request in flight with `error`, which each one's consumer receives (the drain's last
+        word once its grace period is over); returns how many."""
+        for request_id in list(self._streams):
+            self._commands.put((ABORT, (request_id, error)))
+        return len(self._streams)
 
     def stats(self) -> EngineStats:
         """The latest snapshot the engine thread published, counting requests submitted but not yet
@@ -280,7 +287,7 @@ class AsyncEngine:
                     except EngineError as e:
                         out.append((arg, e))
                 elif kind == ABORT:
-                    out += engine.abort(arg)
+                    out += engine.abort(*arg)
                 else:
                     stopping = True
             try:

@@ -148,9 +148,10 @@ class Engine:
         if state.request.deadline is not None:
             heapq.heappush(self._deadlines, (state.request.deadline, next(self._arrivals), state))
 
-    def abort(self, request_id: str) -> list[Output]:
+    def abort(self, request_id: str, error: EngineError | None = None) -> list[Output]:
+        """End a request with `error` (by default `Cancelled`): its slots are free from the next step."""
         state = self.requests.get(request_id)
-        return self.end(state, Cancelled("the request was cancelled")) if state else []
+        return self.end(state, error or Cancelled("the request was cancelled")) if state else []
 
     def expire(self, now: float | None = None) -> list[Output]:
         """End every request whose deadline has passed, waiting or running."""

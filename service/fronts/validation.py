@@ -119,4 +119,4 @@ def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_promp
     """An unset max_new_tokens: `default` or the engine's, shrunk to the room the prompt leaves (unless
     the prompt may be truncated to make room)."""
     room = model.n_ctx if truncate_prompt else model.n_ctx - prompt_tokens
-    return max(1, min(default or model.limits.default_max_new_tokens, room))
+    return max(1, min(default or model.limits.default_max_new_tokens, model.limits.max_new_tokens, room))

@@ -149,6 +149,12 @@ def test_echo_puts_the_prompt_first(api):
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
+def test_the_request_id_is_the_clients_and_comes_back(server):
+    r = raw(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, headers={"X-Request-Id": "abc-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-1"
+    assert raw(server, "POST", "/v1/completions", {"prompt": PROMPT}).headers["x-request-id"]  # one is assigned
+
+
 def test_metrics_count_http_calls_by_protocol(api, server):
     before = server.server.metrics.requests.labels("http", "/v1/completions", "200")._value.get()
     api.completions.create(model="", prompt=PROMPT, max_tokens=2)
@@ -257,6 +263,8 @@ def error_of(response: httpx2.Response) -> dict:
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": PROMPT * 40, "max_tokens": 120}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({}, "prompt"),
@@ -272,6 +280,7 @@ def test_an_invalid_field_is_a_400_naming_it(server, body, param):
     error = error_of(r)
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["message"].startswith(param + ":"), error
+    assert "max_new_tokens" not in error["message"] and "prompt_token_ids" not in error["message"], error
 
 
 @pytest.mark.parametrize("body,param", [

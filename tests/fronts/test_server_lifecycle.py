@@ -66,15 +66,24 @@ def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
         stopped.result(30)
 
 
-def test_drain_cancels_what_outlives_the_grace_period(engine_bundle):
-    s = settings(engine_bundle, warmup=False)
-    with ServerThread(s, engine_for(s, slowed(0.02))) as srv, Client(srv.address, timeout_s=60) as c:
+def test_drain_ends_what_outlives_the_grace_period_with_an_error_on_both_fronts(engine_bundle):
+    s = settings(engine_bundle, warmup=False, http_port=free_port())
+    with ServerThread(s, engine_for(s, slowed(0.02))) as srv, Client(srv.address, timeout_s=60) as c, \
+            httpx2.Client(base_url=srv.http_url, timeout=60) as h:
         call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=120, ignore_eos=True), timeout=60)
         next(call)
-        srv.drain(grace_s=0.1).result(30)
+        body = {"prompt": "Ham.", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with h.stream("POST", "/v1/completions", json=body) as sse:
+            events = sse.iter_lines()
+            next(events)
+            srv.drain(grace_s=0.1).result(30)
+            http_rest = [line for line in events if line]
         with pytest.raises(grpc.RpcError) as e:
             list(call)
-        assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "grace period" in e.value.details()
+        assert http_rest[-1] == "data: [DONE]"
+        error = json.loads(http_rest[-2][6:])["error"]
+        assert error["type"] == "service_unavailable" and "grace period" in error["message"]
         engine = srv.server.engine.engine
         assert not engine.requests and engine.kv.free_slots == engine.kv.n_slots
 

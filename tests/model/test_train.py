@@ -118,3 +118,21 @@ def test_the_llama_architecture_trains_and_its_directory_exports(tmp_path):
     assert "--arch llama" in (tmp_path / "model" / "README.md").read_text()
     export_bundle(tmp_path / "model", tmp_path / "bundle", name="llama")
     assert verify_static(model, tmp_path / "bundle").passed
+
+
+@pytest.mark.slow
+def test_the_candidate_with_the_lower_bits_per_char_ships_with_both_figures_on_its_card(tmp_path):
+    from model.pick_default import pick
+
+    runs = {arch: tmp_path / arch for arch in ("gpt", "llama")}
+    results = {arch: train(tiny_config(out, arch=arch, max_steps=steps), corpus=CORPUS)
+               for (arch, out), steps in zip(runs.items(), (10, 40), strict=True)}
+    better = min(results, key=lambda a: results[a]["val_bits_per_char"])
+    shipped = tmp_path / "default"
+    assert pick(list(runs.values()), shipped) == runs[better]
+    assert (shipped / "model.safetensors").read_bytes() == (runs[better] / "model.safetensors").read_bytes()
+    card = (shipped / "README.md").read_text()
+    for arch, result in results.items():
+        assert f"{result['val_bits_per_char']:.4f}" in card
+        assert f"--arch {arch}" in card or arch == "gpt"
+    assert f"**{results[better]['val_bits_per_char']:.4f}**" in card and "## Why this architecture" in card

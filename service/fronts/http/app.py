@@ -52,6 +52,7 @@ TIMEOUT_HEADER = "x-request-timeout"
 OPEN_PATHS = frozenset({"/health"})
 ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
                429: "rate_limit_exceeded", 503: "service_unavailable", 408: "timeout"}
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 # the engine's field names -> the OpenAI request's
 OPENAI_NAMES = {"prompt_token_ids": "prompt", "stopping.max_new_tokens": "max_tokens",
                 "stopping.min_new_tokens": "min_tokens", "stopping.stop": "stop",
@@ -79,8 +80,11 @@ def openai_param(field: str, renames: dict[str, str]) -> str:
 
 
 def renamed(error: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
+    """The error as the HTTP client sees it: the field, and the engine's names in the message, OpenAI's."""
     param = openai_param(error.field, renames)
     message = str(error).removeprefix(error.field + ": ")
+    for engine_name in ("max_new_tokens", "min_new_tokens"):
+        message = message.replace(engine_name, openai_param("stopping." + engine_name, renames))
     return InvalidRequest(param, message)
 
 
@@ -104,9 +108,9 @@ def schema_error(error: ValidationError) -> InvalidRequest:
 class SSEResponse(StreamingResponse):
     """A server-sent-event stream whose `cleanup` runs however the response ends, even before it starts."""
 
-    def __init__(self, content, cleanup):
+    def __init__(self, content, cleanup, headers: dict[str, str]):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
@@ -128,7 +132,8 @@ class BearerGuard:
         if self.auth is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not self.auth.authorized(value):
-                self.state.metrics.requests.labels("http", scope["path"], "401").inc()
+                path = scope["path"] if scope["path"] in ROUTES else "other"  # no label per random path
+                self.state.metrics.requests.labels("http", path, "401").inc()
                 response = error_response(HttpStatus(401, "authentication_error", REFUSAL))
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
@@ -241,7 +246,8 @@ class HttpFront:
                 generation.close()
                 call.finished(outcome["code"], outcome["code"] == "200")
 
-            return SSEResponse(self._events(generation, builder, outcome), cleanup)
+            return SSEResponse(self._events(generation, builder, outcome), cleanup,
+                               {"X-Request-Id": wires[0].request_id})
         try:
             async for index, events in generation.events(request.receive):
                 builder.add(index, events)
@@ -250,7 +256,7 @@ class HttpFront:
             return Response(status_code=499)
         finally:
             generation.close()
-        return self._ok(call, JSONResponse(builder.response()))
+        return self._ok(call, JSONResponse(builder.response(), headers={"X-Request-Id": wires[0].request_id}))
 
     async def _events(self, generation: Generation, builder: ResponseBuilder, outcome: dict[str, str]):
         """The SSE body. An error after the stream began is sent as an `error` event, then [DONE]. A client
@@ -366,8 +372,8 @@ class HttpFront:
             status = http_status_for(error, retry_ms)
         if status.is_bug:
             log.error("%s", status.message, exc_info=error)
-        else:
-            log.info("%s %d: %s", call.method, status.status, status.message)
+        elif call.wire is None:  # refused before it reached the engine (requests that ran log in finished())
+            log.info("http %s %d: %s", call.method, status.status, status.message)
         call.finished(str(status.status), False)
         return error_response(status)
 

@@ -90,12 +90,14 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request, as text or token ids: one choice group each."""
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
         if not p:
             raise InvalidRequest("prompt", "is empty; give a string, a list of strings or a list of token ids")
+        if isinstance(p, str):
+            return [p]
         if isinstance(p[0], int):
             return [p]
+        if any(not prompt for prompt in p):
+            raise InvalidRequest("prompt", "holds an empty prompt; every prompt needs at least one token")
         return list(p)
 
 
