@@ -155,6 +155,22 @@ def test_the_request_id_is_the_clients_and_comes_back(server):
     assert raw(server, "POST", "/v1/completions", {"prompt": PROMPT}).headers["x-request-id"]  # one is assigned
 
 
+def test_connections_send_small_chunks_at_once(server):
+    """TCP_NODELAY on every accepted connection: otherwise a stream's chunks wait for the client's
+    delayed acknowledgement."""
+    import socket
+
+    async def nodelay() -> list[int]:
+        connections = server.server.http._server.server_state.connections
+        return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                for c in connections]
+
+    with httpx2.Client(base_url=server.http_url, timeout=60) as h:
+        assert h.get("/health").status_code == 200  # the connection stays open (keep-alive)
+        flags = server.call(nodelay())
+    assert flags and all(flags)
+
+
 def test_metrics_count_http_calls_by_protocol(api, server):
     before = server.server.metrics.requests.labels("http", "/v1/completions", "200")._value.get()
     api.completions.create(model="", prompt=PROMPT, max_tokens=2)

@@ -55,7 +55,9 @@ class HttpListener:
     async def start(self) -> int:
         host, port = self.settings.host, self.settings.http_port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on the connections of a TCP listener only, and without
+        # it Nagle's algorithm holds a stream's small chunks for the client's delayed acknowledgement (~40 ms)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
