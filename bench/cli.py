@@ -7,7 +7,7 @@ import sys
 
 BENCHES = {
     "engine": ("bench.engine", "the engine in-process: throughput, step time vs context, compute ceiling"),
-    "serve": ("bench.serve", "a load of concurrent streaming gRPC clients: tokens/s, TTFT, ITL, errors"),
+    "serve": ("bench.serve", "a load of concurrent streaming gRPC (or HTTP) clients: tokens/s, TTFT, ITL, errors"),
     "compare": ("bench.compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table"),
     "soak": ("bench.soak", "a mixed load for minutes: server memory, throughput and errors over time"),
     "onnx-variants": ("bench.onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),

@@ -33,7 +33,8 @@ def serve_plots(result: dict, out: Path, name: str) -> list[Path]:
     ax2 = ax.twinx()
     ax2.plot(c, [lv["requests_per_s"] for lv in levels], "s--", color="tab:orange", label="requests/s")
     ax2.set_ylabel("requests/s")
-    ax.set_title(f"attnserve over gRPC: throughput ({result['workload']} workload)")
+    protocol = "HTTP" if result.get("protocol") == "http" else "gRPC"
+    ax.set_title(f"attnserve over {protocol}: throughput ({result['workload']} workload)")
     ax.legend(loc="upper left")
     ax2.legend(loc="lower right")
     ax.grid(alpha=0.3)

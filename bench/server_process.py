@@ -3,8 +3,8 @@
     with ServerProcess(["serve", "--bundle", "models/shakespeare-onnx"]) as srv:
         run_load(srv.address, ...)
 
-It picks free ports, waits until the health service says SERVING, and on exit sends SIGTERM and
-waits for the drain. The child's log goes to a file (`log_path`), not the benchmark's output.
+It picks free ports (gRPC `address`, HTTP `http_url`), waits until the health service says SERVING, and
+on exit sends SIGTERM and waits for the drain. The child's log goes to a file (`log_path`), not the benchmark's output.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ class ServerProcess:
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.http_port = 0
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}"  # the HTTP front's base URL
         self.args = list(args)
         if module == "attnserve.cli":
-            self.http_port = free_port()
             self.args += ["--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port),
                           "--metrics-port", str(free_port())]
-        else:
-            self.args += ["--port", str(self.port)]
+        else:  # bench.noop_server
+            self.args += ["--port", str(self.port), "--http-port", str(self.http_port)]
         self.module = module
         self.timeout = startup_timeout_s
         self.env = {**os.environ, **(env or {})}

@@ -42,7 +42,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 class RequestRecord:
     sent: float  # perf_counter() when the call was started
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in that message)
-    code: str = "OK"  # the gRPC status code name it ended with
+    code: str = "OK"  # how it ended: a gRPC status code name, or over HTTP a status ("429"; see bench.serve_http)
     expected_tokens: int | None = None  # what the request asked for, when known exactly
     client: int = 0  # which of the concurrent clients sent it
     server_ttft: float | None = None  # the server's own account (usage.ttft_ms), when it sent one
