@@ -35,7 +35,6 @@ from model.gpt import GPT
 from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
 
-
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
 # (HF name under a block, our name under a block, transpose?)
