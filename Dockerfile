@@ -1,7 +1,7 @@
-# attnserve: the gRPC server and the shipped model, without torch.
+# attnserve: the server (gRPC and an OpenAI-compatible HTTP API) and the shipped model, without torch.
 #
 #   docker build -t attnserve .                                   # CPU image, python:3.11-slim
-#   docker run --rm -p 50051:50051 -p 9464:9464 attnserve
+#   docker run --rm -p 50051:50051 -p 8000:8000 -p 9464:9464 attnserve
 #
 #   docker build -t attnserve:gpu --build-arg VARIANT=gpu \
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 .   # GPU image (see docs/deploy.md)
@@ -47,12 +47,12 @@ RUN python3 -m venv /opt/attnserve && \
         /opt/attnserve/bin/pip uninstall -y onnxruntime && $pip_install onnxruntime-gpu; \
     fi && \
     /opt/attnserve/bin/pip uninstall -y pip setuptools \
-        huggingface_hub hf_xet fsspec pyyaml httpx2 httpcore2 anyio h11 idna click tqdm filelock truststore
+        huggingface_hub hf_xet fsspec pyyaml httpx2 httpcore2 tqdm filelock truststore
 
 # ---- runtime ------------------------------------------------------------------------------------
 FROM base AS runtime
 LABEL org.opencontainers.image.title="attnserve" \
-      org.opencontainers.image.description="gRPC inference server for Transformer language models on ONNX Runtime" \
+      org.opencontainers.image.description="gRPC and OpenAI-compatible HTTP inference server for Transformer language models on ONNX Runtime" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/attnserve /opt/attnserve
 COPY models/shakespeare-onnx/ /models/shakespeare-onnx/
@@ -64,11 +64,12 @@ ENV PATH=/opt/attnserve/bin:$PATH \
     ATTNSERVE_BUNDLE=/models/shakespeare-onnx \
     ATTNSERVE_HOST=0.0.0.0 \
     ATTNSERVE_PORT=50051 \
+    ATTNSERVE_HTTP_PORT=8000 \
     ATTNSERVE_METRICS_PORT=9464 \
     ATTNSERVE_LOG_FORMAT=json \
     ATTNSERVE_PROVIDERS=auto
 USER 10001:10001
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["attnserve", "health"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["attnserve"]

@@ -6,7 +6,7 @@
 #   3. build the image offline from a host wheelhouse (deploy/build-wheelhouse.sh)
 #   4. run it (host network, loopback) and wait for the gRPC health service to say SERVING, and for
 #      Docker's HEALTHCHECK to say healthy
-#   5. generate text over gRPC from the host
+#   5. generate text over gRPC from the host, and over HTTP (GET /health, POST /v1/completions)
 #   6. stop it with SIGTERM and check that it exited 0 after draining
 #   7. print the image size
 #   8. remove what it started: the container, the image, and the private engine (by pid)
@@ -113,10 +113,11 @@ say "built $TAG in $(( $(date +%s) - start )) s"
 
 # ---- 4. run and wait for SERVING -----------------------------------------------------------------
 port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+hport=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mport=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 # read-only root file system, as deploy/k8s runs it
 CONTAINER=$(docker run -d --network=host --read-only --tmpfs /tmp --name "$NAME" -e ATTNSERVE_HOST=127.0.0.1 \
-    -e ATTNSERVE_PORT="$port" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
+    -e ATTNSERVE_PORT="$port" -e ATTNSERVE_HTTP_PORT="$hport" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
 address=127.0.0.1:$port
 for i in $(seq 120); do
     if "$PYTHON" -m service.client.health_probe --address "$address" >/dev/null 2>&1; then break; fi
@@ -137,11 +138,28 @@ say "docker HEALTHCHECK: $status; user in the container: $(docker exec "$CONTAIN
 [ "$(docker exec "$CONTAINER" id -u)" != 0 ] || { say "FAILED: the container runs as root"; exit 1; }
 if docker exec "$CONTAINER" python3 -c 'import torch' 2>/dev/null; then say "FAILED: torch is in the image"; exit 1; fi
 
-# ---- 5. generate over gRPC from the host ---------------------------------------------------------
+# ---- 5. generate over gRPC and HTTP from the host ------------------------------------------------
 text=$("$PYTHON" -m attnserve generate "ROMEO:" --server "$address" --stream --max-new-tokens 60 \
     --temperature 0.8 --seed 1 --timeout 60)
 printf '%s\n' "--- generated over gRPC from the container:" "$text" "---"
 [ ${#text} -gt 10 ] || { say "FAILED: no text generated"; exit 1; }
+http=http://127.0.0.1:$hport
+code=$(curl -s -o /dev/null -w '%{http_code}' "$http/health" || true)
+[ "$code" = 200 ] || { say "FAILED: GET /health on :$hport answered $code, not 200"; exit 1; }
+body=$(curl -s --max-time 60 -H 'Content-Type: application/json' "$http/v1/completions" \
+    -d '{"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}') ||
+    { say "FAILED: POST /v1/completions on :$hport: no answer"; exit 1; }
+completion=$(printf '%s' "$body" | "$PYTHON" -c '
+import json, sys
+body = json.load(sys.stdin)
+try:
+    text, tokens = body["choices"][0]["text"], body["usage"]["completion_tokens"]
+except (KeyError, IndexError, TypeError):
+    sys.exit(f"not a completion: {body}")
+if not text or tokens != 8:
+    sys.exit(f"want choices[0].text non-empty and usage.completion_tokens == 8: {body}")
+print(repr(text))') || { say "FAILED: POST /v1/completions on :$hport"; exit 1; }
+say "HTTP: /health 200; /v1/completions, 8 tokens: $completion"
 curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^attnserve_generated_tokens_total' ||
     { say "FAILED: no metrics on :$mport"; exit 1; }
 

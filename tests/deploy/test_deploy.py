@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.32.0"
 GRPC_PORT = ServerSettings.model_fields["port"].default
+HTTP_PORT = ServerSettings.model_fields["http_port"].default
 METRICS_PORT = ServerSettings.model_fields["metrics_port"].default
 
 
@@ -48,7 +49,9 @@ def test_dockerfile_contract():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
     assert len(re.findall(r"^FROM ", text, re.M)) >= 3  # base, build, runtime
-    assert re.search(rf"^EXPOSE {GRPC_PORT} {METRICS_PORT}$", text, re.M)
+    assert re.search(rf"^EXPOSE {GRPC_PORT} {HTTP_PORT} {METRICS_PORT}$", text, re.M)
+    runtime = text.split(" AS runtime", 1)[1]
+    assert re.search(rf"\bATTNSERVE_HTTP_PORT={HTTP_PORT}\s", runtime)  # the HTTP front on, on the exposed port
     assert re.search(r"^USER 10001:10001$", text, re.M)
     assert re.search(r'^HEALTHCHECK .*CMD \["attnserve", "health"\]$', text, re.M)
     assert "COPY models/shakespeare-onnx/" in text and "ATTNSERVE_BUNDLE=/models/shakespeare-onnx" in text
@@ -80,12 +83,15 @@ def test_manifests_agree_with_each_other_and_the_server():
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     [container] = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}
+    service_ports = {p["name"]: (p["port"], p["targetPort"], p["appProtocol"]) for p in service["spec"]["ports"]}
+    assert service_ports == {"grpc": (GRPC_PORT, "grpc", "grpc"), "http": (HTTP_PORT, "http", "http"),
+                             "metrics": (METRICS_PORT, "metrics", "http")}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == GRPC_PORT
     env = {e["name"]: e["value"] for e in container["env"]}
     settings = ServerSettings(**{k.removeprefix("ATTNSERVE_").lower(): v for k, v in env.items()})
-    assert (settings.port, settings.metrics_port) == (GRPC_PORT, METRICS_PORT)
+    assert (settings.port, settings.http_port, settings.metrics_port) == (GRPC_PORT, HTTP_PORT, METRICS_PORT)
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
     # the pod is given time for preStop plus the whole drain
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -102,7 +108,7 @@ def test_manifests_agree_with_each_other_and_the_server():
 @pytest.mark.slow
 @pytest.mark.docker
 def test_docker_image_builds_serves_and_drains():
-    """Build the image, run it, generate over gRPC, SIGTERM it (deploy/docker-smoke.sh)."""
+    """Build the image, run it, generate over gRPC and HTTP, SIGTERM it (deploy/docker-smoke.sh)."""
     env = {**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python")} if (ROOT / ".venv").exists() \
         else dict(os.environ)
     out = subprocess.run(["bash", "deploy/docker-smoke.sh"], cwd=ROOT, capture_output=True, text=True,
@@ -111,5 +117,6 @@ def test_docker_image_builds_serves_and_drains():
         pytest.skip(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "[docker-smoke] PASSED" in out.stderr and "image size:" in out.stderr
+    assert "[docker-smoke] HTTP: /health 200" in out.stderr
     generated = out.stdout.split("--- generated over gRPC from the container:\n", 1)[1].split("\n---")[0]
     assert generated.startswith("ROMEO:") and len(generated) > 20
