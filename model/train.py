@@ -32,6 +32,7 @@ from model.data import VAL_PLAYS, Corpus, load_corpus
 from model.gpt import GPT
 from model.scoring import bits_per_char, encode_documents, eval_batches
 from model.tokenizer import train_bpe
+from service.runtime.cpu import cpu_info
 from service.runtime.tokenizer import Tokenizer
 
 
@@ -248,6 +249,7 @@ def finish(cfg, out, tokenizer, corpus, val_ids, history, wall_s, bf16) -> dict:
         "wall_time_s": round(wall_s, 1),
         "bf16": bf16,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_info().describe(),
     }
     log = {"train_config": asdict(cfg), "model_config": model.config.to_dict(), "result": result, "history": history}
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")

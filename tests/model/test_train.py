@@ -135,4 +135,4 @@ def test_the_candidate_with_the_lower_bits_per_char_ships_with_both_figures_on_i
     for arch, result in results.items():
         assert f"{result['val_bits_per_char']:.4f}" in card
         assert f"--arch {arch}" in card or arch == "gpt"
-    assert f"**{results[better]['val_bits_per_char']:.4f}**" in card and "## Why this architecture" in card
+    assert f"**{results[better]['val_bits_per_char']:.4f}**" in card and "## Why this model" in card
