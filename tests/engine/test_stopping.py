@@ -110,7 +110,8 @@ def test_stop_token_ids_end_the_sequence(make_engine):
     free = run_alone(make_engine, greedy("f", prompt, 40, ignore_eos=True))
     toks = free.tokens("f")
     k = next(i for i in range(5, len(toks)) if toks[i] not in toks[:i])  # first appearance after a few tokens
-    run = run_alone(make_engine, greedy("f", prompt, 40, stop_token_ids=[toks[k], 299], ignore_eos=True))
+    unused = next(t for t in range(1, 300) if t not in toks)  # a second stop id that never comes
+    run = run_alone(make_engine, greedy("f", prompt, 40, stop_token_ids=[toks[k], unused], ignore_eos=True))
     assert run.tokens("f") == toks[:k + 1]
     assert run.finish("f") is FinishReason.STOP
     assert run.events[("f", 0)][-1].token_id == toks[k]
