@@ -50,7 +50,10 @@ def test_four_times_overload_is_refused_fast_and_the_accepted_complete(engine_bu
         results = asyncio.run(storm(srv.address))
         codes = [code for code, _ in results]
         assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes  # nothing hung into a deadline
-        assert codes.count("OK") >= capacity and codes.count("RESOURCE_EXHAUSTED") >= offered - capacity - s.max_running
+        # admission estimates the queue from the engine's last published step, erring towards refusing by at most
+        # the requests one step starts (AsyncEngine._admit): capacity, give or take max_running
+        assert codes.count("OK") >= capacity - s.max_running
+        assert codes.count("RESOURCE_EXHAUSTED") >= offered - capacity - s.max_running
         assert all("retry-after-ms" in meta for code, meta in results if code == "RESOURCE_EXHAUSTED")
         for i, (code, tokens) in enumerate(results):
             if code == "OK":
