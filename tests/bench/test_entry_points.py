@@ -29,6 +29,7 @@ QUICK = {
                     "--out", "{out}"],
     "rotary-placement": ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
                          "--vocab", "4096", "--context", "128", "--steps", "2", "--rounds", "1", "--out", "{out}"],
+    "bandwidth": ["--mb", "8", "--rounds", "1", "--out", "{out}"],
 }
 SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement"}  # start a server, or export a graph with torch
 
