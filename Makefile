@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench soak clean
+.PHONY: help install test test-serving lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
 	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
+	@echo "make bench-llama-cpp  llama.cpp's llama-server and llama-batched-bench, built for this CPU (cached)"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -113,6 +114,11 @@ $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
 	touch $@
 
 bench-peers: $(PEERS)/bin/.installed
+
+# llama.cpp's llama-server and llama-batched-bench, built for this CPU from the source the llama-cpp-python
+# sdist vendors; cached under ~/.cache/attnserve/peers (about 10 minutes the first time)
+bench-llama-cpp:
+	bench/peers/build-llama-cpp.sh
 
 bench: install bench-peers
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128 --noop-check
