@@ -144,6 +144,7 @@ class Call:
         self.tokens = 0
         self.prompt_tokens = 0
         self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
+        self._started: set[int] = set()  # streams whose first token was observed
 
     def accepted(self, wire: AcceptedRequest, stream: RequestStream) -> None:
         self.wire = wire
@@ -155,7 +156,8 @@ class Call:
     def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
         stream = stream or self.streams[0]
         key = id(stream)
-        if events and not any(k[0] == key for k in self._last):
+        if events and key not in self._started:
+            self._started.add(key)
             t = stream.timing
             self.metrics.time_to_first_token.observe(t.first_token_at - t.arrival)
             self.metrics.queue_duration.observe((t.scheduled_at or t.first_token_at) - t.arrival)

@@ -70,8 +70,8 @@ def http_status_for(error: BaseException, retry_after_ms: int = 1000) -> HttpSta
     for kind, _, status, type_ in CODES:
         if isinstance(error, kind):
             param = error.field if isinstance(error, InvalidRequest) else None
-            headers = (("Retry-After", str(max(1, math.ceil(retry_after_ms / 1000)))),) if kind is Overloaded else ()
-            if kind is Unavailable:
-                headers = (("Retry-After", "1"),)
+            retry_after_s = max(1, math.ceil(retry_after_ms / 1000)) if kind is Overloaded else \
+                1 if kind is Unavailable else None
+            headers = (("Retry-After", str(retry_after_s)),) if retry_after_s else ()
             return HttpStatus(status, type_, str(error), param, headers)
     return HttpStatus(500, "server_error", f"internal error: {type(error).__name__}: {error}")

@@ -194,7 +194,8 @@ class HttpFront:
                 fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                           "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
                           "echo": bool(body.echo)}
-                wires.append(self._accept(fields, body, facts, renames, COMPLETIONS_DEFAULT_MAX_TOKENS, request))
+                wires.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, facts, renames,
+                                          request))
             builder = CompletionBuilder(self._served_name(), wires, self._token_strings(), self._include_usage(body))
             return await self._generate(request, call, wires, builder, bool(body.stream), renames)
         except Exception as e:
@@ -223,9 +224,8 @@ class HttpFront:
             renames = {"prompt": "messages",
                        "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
                        and body.max_tokens is None else "max_tokens"}
-            wire = self._accept(fields, body, facts, renames, None, request,
-                                max_tokens=body.max_tokens if body.max_tokens is not None else
-                                body.max_completion_tokens)
+            max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+            wire = self._accept(fields, body, max_tokens, None, facts, renames, request)
             builder = ChatBuilder(self._served_name(), [wire], self._token_strings(), self._include_usage(body))
             return await self._generate(request, call, [wire], builder, bool(body.stream), renames)
         except Exception as e:
@@ -308,11 +308,11 @@ class HttpFront:
         body.refuse_unsupported()
         return body
 
-    def _accept(self, fields: dict[str, Any], body: SamplingFields, facts, renames: dict[str, str],
-                default_max_new: int | None, request: Request, max_tokens: int | None = None) -> AcceptedRequest:
-        fields["request_id"] = request.headers.get("x-request-id", "")
-        if max_tokens is None:
-            max_tokens = getattr(body, "max_tokens", None)
+    def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
+                default_max_new: int | None, facts, renames: dict[str, str], request: Request) -> AcceptedRequest:
+        """The engine request of `fields` and the body's sampling and stopping; errors named as the body names
+        them (`renames`), and the body's or the header's timeout as its deadline."""
+        fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
         try:
             wire = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:
@@ -320,7 +320,7 @@ class HttpFront:
         logs.request_id.set(wire.request_id)
         timeout = body.timeout if body.timeout is not None else _header_timeout(request)
         if timeout is not None:
-            if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+            if not (math.isfinite(timeout) and timeout > 0):
                 raise InvalidRequest("timeout", f"{timeout!r} is not a positive number of seconds")
             wire.request.deadline = time.monotonic() + timeout
         return wire
@@ -378,7 +378,7 @@ class HttpFront:
         return error_response(status)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.state.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
         return error_response(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))

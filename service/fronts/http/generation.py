@@ -28,7 +28,7 @@ class ClientGone(Cancelled):
 
 class Generation:
     def __init__(self, state: FrontState, call: Call, wires: list[AcceptedRequest]):
-        self.state, self.call, self.wires = state, call, wires
+        self.state, self.call = state, call
         self.streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False

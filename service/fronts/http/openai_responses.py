@@ -82,13 +82,51 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.choices = [Choice(p * self.n + j) for p in range(len(wires)) for j in range(self.n)]
         self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in wires)
+        self.want_logprobs = wires[0].want_logprobs
+        self.logprobs = [self._new_logprobs() for _ in self.choices]  # each choice's, whole
+        self._echoed: set[int] = set()
+
+    def _new_logprobs(self) -> Any:
+        raise NotImplementedError
+
+    def _record(self, targets: tuple[Any, ...], event: TokenEvent, text_offset: int) -> None:
+        """Append `event`'s logprob, in the endpoint's shape, to each of `targets`."""
+        raise NotImplementedError
 
     def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, Any]]:
-        """Fold events in; returns each touched choice's new text and logprobs."""
-        raise NotImplementedError
+        """Fold events in; returns each touched choice's new text and, when asked for, its new logprobs."""
+        touched: dict[int, tuple[list[str], Any]] = {}
+        for e in events:
+            c = self.choice(stream_index, e)
+            delta, lp = touched.setdefault(c.index, ([], self._new_logprobs() if self.want_logprobs else None))
+            wire = self.wires[stream_index]
+            if c.index not in self._echoed:
+                self._echoed.add(c.index)
+                if wire.echo:  # completions only: chat never echoes
+                    delta.append(wire.prompt_text)
+                    c.text.append(wire.prompt_text)
+                    c.chars += len(wire.prompt_text)
+            if lp is not None:
+                self._record((lp, self.logprobs[c.index]), e, c.chars)
+            delta.append(e.text)
+            c.text.append(e.text)
+            c.chars += len(e.text)
+            c.tokens += 1
+            if e.finish_reason is not None:
+                c.finish_reason = FINISH[e.finish_reason]
+        return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
 
     def add(self, stream_index: int, events: list[TokenEvent]) -> None:
         self._add(stream_index, events)
+
+    def _chunk_choice(self, index: int, text: str, logprobs: Any) -> dict[str, Any]:
+        """A streamed chunk's entry for one choice: its new text and logprobs."""
+        raise NotImplementedError
+
+    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
+        """Fold events in; one SSE chunk per choice they touch."""
+        return [sse(self.envelope([self._chunk_choice(index, text, lp)], chunk=True))
+                for index, (text, lp) in self._add(stream_index, events).items()]
 
     def choice(self, stream_index: int, event: TokenEvent) -> Choice:
         return self.choices[stream_index * self.n + event.index]
@@ -119,55 +157,24 @@ class CompletionBuilder(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
-        super().__init__(model, wires, texts, include_usage)
-        self.want_logprobs = wires[0].want_logprobs
-        self.logprobs: list[dict[str, list]] = [
-            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in self.choices]
-        self._echoed: set[int] = set()
-
-    def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, dict | None]]:
-        touched: dict[int, tuple[list[str], dict | None]] = {}
-        for e in events:
-            c = self.choice(stream_index, e)
-            delta, lp = touched.setdefault(c.index, ([], self._empty_logprobs() if self.want_logprobs else None))
-            if c.index not in self._echoed:
-                self._echoed.add(c.index)
-                wire = self.wires[stream_index]
-                if wire.echo:
-                    delta.append(wire.prompt_text)
-                    c.text.append(wire.prompt_text)
-                    c.chars += len(wire.prompt_text)
-            if lp is not None:
-                for target in (lp, self.logprobs[c.index]):
-                    target["tokens"].append(self.texts.text(e.token_id))
-                    target["token_logprobs"].append(e.logprob)
-                    target["top_logprobs"].append(self._top(e))
-                    target["text_offset"].append(c.chars)
-            delta.append(e.text)
-            c.text.append(e.text)
-            c.chars += len(e.text)
-            c.tokens += 1
-            if e.finish_reason is not None:
-                c.finish_reason = FINISH[e.finish_reason]
-        return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
-
-    @staticmethod
-    def _empty_logprobs() -> dict[str, list]:
+    def _new_logprobs(self) -> dict[str, list]:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _record(self, targets: tuple[dict[str, list], ...], event: TokenEvent, text_offset: int) -> None:
+        token, top = self.texts.text(event.token_id), self._top(event)
+        for target in targets:
+            target["tokens"].append(token)
+            target["token_logprobs"].append(event.logprob)
+            target["top_logprobs"].append(top)
+            target["text_offset"].append(text_offset)
 
     def _top(self, e: TokenEvent) -> dict[str, float]:
         top = {self.texts.text(t): lp for t, lp in e.top_logprobs or ()}
         top.setdefault(self.texts.text(e.token_id), e.logprob)  # the sampled token is always there, as in OpenAI's
         return top
 
-    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
-        out = []
-        for index, (text, lp) in self._add(stream_index, events).items():
-            choice = {"index": index, "text": text, "logprobs": lp,
-                      "finish_reason": self.choices[index].finish_reason}
-            out.append(sse(self.envelope([choice], chunk=True)))
-        return out
+    def _chunk_choice(self, index: int, text: str, logprobs: dict | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": self.choices[index].finish_reason}
 
     def response(self) -> dict[str, Any]:
         choices = [{"index": c.index, "text": "".join(c.text),
@@ -180,44 +187,28 @@ class ChatBuilder(ResponseBuilder):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
-        super().__init__(model, wires, texts, include_usage)
-        self.want_logprobs = wires[0].want_logprobs
-        self.logprobs: list[list[dict]] = [[] for _ in self.choices]
+    def _new_logprobs(self) -> list[dict]:
+        return []
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.texts(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
-    def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, list | None]]:
-        touched: dict[int, tuple[list[str], list | None]] = {}
-        for e in events:
-            c = self.choice(stream_index, e)
-            delta, lp = touched.setdefault(c.index, ([], [] if self.want_logprobs else None))
-            if lp is not None:
-                entry = {**self._entry(e.token_id, e.logprob),
-                         "top_logprobs": [self._entry(t, v) for t, v in e.top_logprobs or ()]}
-                lp.append(entry)
-                self.logprobs[c.index].append(entry)
-            delta.append(e.text)
-            c.text.append(e.text)
-            c.tokens += 1
-            if e.finish_reason is not None:
-                c.finish_reason = FINISH[e.finish_reason]
-        return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
+    def _record(self, targets: tuple[list[dict], ...], event: TokenEvent, text_offset: int) -> None:
+        entry = {**self._entry(event.token_id, event.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in event.top_logprobs or ()]}
+        for target in targets:
+            target.append(entry)
 
     def role_chunks(self) -> list[bytes]:
         """The first chunk of each choice: its role."""
         return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}], chunk=True)) for c in self.choices]
 
-    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
-        out = []
-        for index, (text, lp) in self._add(stream_index, events).items():
-            choice = {"index": index, "delta": {"content": text}, "logprobs": {"content": lp} if lp is not None else
-                      None, "finish_reason": self.choices[index].finish_reason}
-            out.append(sse(self.envelope([choice], chunk=True)))
-        return out
+    def _chunk_choice(self, index: int, text: str, logprobs: list | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text},
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
+                "finish_reason": self.choices[index].finish_reason}
 
     def response(self) -> dict[str, Any]:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
