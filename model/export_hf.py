@@ -1,12 +1,21 @@
-"""Export an attnserve model directory as a Hugging Face GPT-2 directory (the inverse of `import_hf`).
+"""Export an attnserve model directory as a Hugging Face directory (the inverse of `import_hf`):
+`GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` for Llama-style ones.
 
     attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.export_hf ...
 
-The result loads with `transformers.GPT2LMHeadModel.from_pretrained(<hf dir>)` and
-`PreTrainedTokenizerFast.from_pretrained(<hf dir>)`, offline: `config.json`, `model.safetensors`
-(GPT-2 names, Conv1D weights as (in, out)), `generation_config.json`, `tokenizer.json` and
-`tokenizer_config.json`. Only models GPT-2 can express are exported: learned positions, biases,
-GELU (tanh or exact). The benchmarks run peers on exactly our weights through it.
+The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no biases make a Llama
+(grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept); learned positions,
+LayerNorm, a GELU MLP (tanh or exact), biases, one KV head per query head and a tied head make a
+GPT-2. A model neither can express (sinusoidal positions, Qwen2's query/key/value biases, a mix of
+the two families) is refused with the reason. A model without a BOS id gets its EOS id as BOS, as
+GPT-2 has (the tokenizer adds neither).
+
+The result loads offline with `transformers.AutoModelForCausalLM.from_pretrained(<hf dir>)` and
+`PreTrainedTokenizerFast.from_pretrained(<hf dir>)`: `config.json`, `model.safetensors` (GPT-2 Conv1D
+weights as (in, out); Llama's q/k/v split out of our stacked `qkv_proj`, in the same rotate-half
+layout, so nothing is permuted), `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`
+and the model directory's `chat_template.jinja` when it has one. The benchmarks run peers on exactly
+our weights through it.
 """
 
 from __future__ import annotations
@@ -19,20 +28,49 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from model import hf_llama
 from model.checkpoint import TOKENIZER_FILE, load_model_dir
 from model.config import GPTConfig
 from model.import_hf import BLOCK_MAP, TOP_MAP
-from service.runtime.tokenizer import EOS_TOKEN
+from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
 
 HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def architecture(config: GPTConfig) -> str:
+    """"llama" or "gpt2", whichever expresses the model; ValueError naming what neither has."""
+    llama = {"rotary positions": config.pos_encoding == "rotary", "RMSNorm": config.norm == "rmsnorm",
+             "a SwiGLU MLP": config.mlp == "swiglu", "no biases": not config.bias and not config.qkv_bias}
+    gpt2 = {"learned positions": config.pos_encoding == "learned", "LayerNorm": config.norm == "layernorm",
+            "a GELU MLP": config.mlp == "gelu", "biases in every linear layer and norm": config.bias
+            and config.qkv_bias in (None, True), "one KV head per query head": config.kv_heads == config.n_head,
+            "a head tied to the token embedding": config.tie_embeddings}
+    if all(llama.values()):
+        return "llama"
+    if all(gpt2.values()):
+        return "gpt2"
+    family, needs = ("Llama", llama) if config.pos_encoding == "rotary" else ("GPT-2", gpt2)
+    missing = ", ".join(name for name, ok in needs.items() if not ok)
+    raise ValueError(f"this model is neither a GPT-2 nor a Llama: closest is {family}, which needs {missing}")
 
 
 def hf_config(config: GPTConfig) -> dict:
-    if config.pos_encoding != "learned":
-        raise ValueError(f"GPT-2 has learned positions; this model uses {config.pos_encoding!r}")
-    if not config.bias:
-        raise ValueError("GPT-2 has biases in every linear layer and LayerNorm; this model has none")
-    bos = config.bos_token_id if config.bos_token_id is not None else config.eos_token_id
+    """config.json for the architecture `architecture(config)` picks."""
+    return llama_config(config) if architecture(config) == "llama" else gpt2_config(config)
+
+
+def bos_id(config: GPTConfig) -> int:
+    return config.bos_token_id if config.bos_token_id is not None else config.eos_token_id
+
+
+def eos_value(config: GPTConfig) -> int | list[int]:
+    """generation_config.json's eos_token_id: one id, or every id that ends generation."""
+    return list(config.eos_token_ids) if config.eos_token_ids else config.eos_token_id
+
+
+def gpt2_config(config: GPTConfig) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -50,46 +88,112 @@ def hf_config(config: GPTConfig) -> dict:
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
         "use_cache": True,
-        "bos_token_id": bos,
+        "bos_token_id": bos_id(config),
         "eos_token_id": config.eos_token_id,
         "torch_dtype": "float32",
     }
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+def llama_config(config: GPTConfig) -> dict:
+    # rope_theta and rope_scaling as transformers 4 (and llama.cpp's and CTranslate2's converters) read
+    # them; rope_parameters as transformers 5 writes them
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.n_ctx,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ff_width,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.d_head,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.layer_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": config.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": bos_id(config),
+        "eos_token_id": eos_value(config),
+        "torch_dtype": "float32",
+    }
+
+
+def gpt2_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our parameter names -> `GPT2LMHeadModel` names (the tied head is stored once, as wte)."""
     out = {f"transformer.{hf_name}": state[ours] for hf_name, ours in TOP_MAP}
     for i in range(config.n_layer):
         for hf_name, ours, transpose in BLOCK_MAP:
             t = state[f"blocks.{i}.{ours}"]
             out[f"transformer.h.{i}.{hf_name}"] = t.t() if transpose else t
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
+    return out
+
+
+def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our parameter names -> `LlamaForCausalLM` names: `qkv_proj` split into q, k and v (queries first,
+    then the KV heads' keys, then their values, as `hf_llama.convert_state_dict` stacks them)."""
+    out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["ln_f.weight"]}
+    q_width, kv_width = config.d_model, config.kv_heads * config.d_head
+    for i in range(config.n_layer):
+        pre = f"model.layers.{i}."
+        q, k, v = state[f"blocks.{i}.attn.qkv_proj.weight"].split([q_width, kv_width, kv_width])
+        out |= {pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
+                pre + "self_attn.v_proj.weight": v}
+        for hf_name, ours in hf_llama.BLOCK_MAP:
+            out[pre + hf_name] = state[f"blocks.{i}.{ours}"]
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under the Hugging Face names of `architecture(config)`, fp32, contiguous."""
+    to_hf = llama_state_dict if architecture(config) == "llama" else gpt2_state_dict
+    return {k: v.detach().float().contiguous() for k, v in to_hf(state, config).items()}
+
+
+def tokenizer_config(tokenizer: Tokenizer, config: GPTConfig) -> dict:
+    eos = tokenizer.hf.id_to_token(tokenizer.eos_id) or EOS_TOKEN
+    bos = tokenizer.hf.id_to_token(bos_id(config)) or eos
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.n_ctx,
+            "bos_token": bos, "eos_token": eos, "unk_token": eos, "pad_token": eos,
+            "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
 
 
 def export_hf(model_dir: str | Path, out: str | Path) -> Path:
+    model_dir, out = Path(model_dir), Path(out)
     model, tokenizer = load_model_dir(model_dir)
     config = model.config
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(config)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-                  "pad_token_id": cfg["eos_token_id"]}
+    generation = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos_value(config),
+                  "pad_token_id": config.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(hf_state_dict(model.state_dict(), config), str(out / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(Path(model_dir) / TOKENIZER_FILE, out / TOKENIZER_FILE)
-    eos = tokenizer.hf.id_to_token(tokenizer.eos_id) or EOS_TOKEN
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.n_ctx,
-                  "bos_token": eos, "eos_token": eos, "unk_token": eos, "pad_token": eos,
-                  "add_prefix_space": False, "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    shutil.copyfile(model_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    if (model_dir / TOKENIZER_CONFIG_FILE).is_file():  # an imported checkpoint's own, kept as it was
+        shutil.copyfile(model_dir / TOKENIZER_CONFIG_FILE, out / TOKENIZER_CONFIG_FILE)
+    else:
+        tok_config = tokenizer_config(tokenizer, config)
+        (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=2) + "\n")
+    if (model_dir / CHAT_TEMPLATE_FILE).is_file():
+        shutil.copyfile(model_dir / CHAT_TEMPLATE_FILE, out / CHAT_TEMPLATE_FILE)
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnserve export-hf", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", help="attnserve model directory (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("-o", "--out", required=True, help="Hugging Face GPT-2 directory to write")
+    p.add_argument("-o", "--out", required=True, help="Hugging Face directory to write")
     return p
 
 

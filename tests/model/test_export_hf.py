@@ -1,4 +1,5 @@
-"""Export to a Hugging Face GPT-2 directory: transformers loads it offline and computes our logits."""
+"""Export to a Hugging Face directory (GPT-2 or Llama): transformers loads it offline and computes our logits,
+and import-hf gives back the same weights."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model_dir, save_model_dir  # noqa: E402
-from model.export_hf import export_hf, main  # noqa: E402
+from model.export_hf import architecture, export_hf, main  # noqa: E402
+from model.generate import generate  # noqa: E402
 from model.import_hf import import_hf  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
+from tests.conftest import LLAMA, ROOT, make_lively, make_model  # noqa: E402
+from tests.model.hf_models import greedy_hf  # noqa: E402
 
 
 def test_transformers_loads_the_export_and_matches_our_logits(tiny_model_dir, tmp_path):
@@ -46,3 +49,75 @@ def test_models_gpt2_cannot_express_are_refused(tiny_tokenizer, tmp_path, capsys
     assert "learned positions" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "sin" / "config.json").read_text())
     assert cfg["pos_encoding"] == "sinusoidal"
+
+
+# ---- Llama-style models -> LlamaForCausalLM ------------------------------------------------------------
+
+SHIPPED_MODEL = ROOT / "models" / "shakespeare"
+LLAMA_STYLE = {**LLAMA, "qkv_bias": False, "rope_theta": 5000.0, "eos_token_ids": [0, 3], "bos_token_id": 0}
+
+
+def llama_model_dir(tokenizer, out, **overrides):
+    """A lively Llama-style model: 2 KV heads for 4 query heads, untied head unless overridden."""
+    model = make_lively(vocab_size=tokenizer.vocab_size, n_ctx=128, **{**LLAMA_STYLE, **overrides})
+    return save_model_dir(model, tokenizer, out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_style_model_exports_as_llama_with_our_logits(tiny_tokenizer, tmp_path, tied):
+    src = llama_model_dir(tiny_tokenizer, tmp_path / "ours", tie_embeddings=tied)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out = export_hf(src, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_key_value_heads"], cfg["tie_word_embeddings"], cfg["rope_theta"]) == (2, tied, 5000.0)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [0, 3]
+
+    ours, tok = load_model_dir(src)
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    assert hf.config.num_key_value_heads == 2 and hf.config.rms_norm_eps == ours.config.layer_norm_eps
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    text = "Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace"
+    assert hf_tok(text).input_ids == tok.encode(text)
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "Ham."}], tokenize=False) == "Ham."
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-4
+    prompt = ids[0, :6].tolist()
+    assert generate(ours, [prompt], 24, temperature=0.0)[0] == greedy_hf(hf, prompt, 24)
+
+
+def test_a_llama_style_export_imports_back_to_the_same_weights(tiny_tokenizer, tmp_path):
+    src = llama_model_dir(tiny_tokenizer, tmp_path / "ours")
+    import_hf(export_hf(src, tmp_path / "hf"), tmp_path / "back")
+    a, _ = load_model_dir(src)
+    b, _ = load_model_dir(tmp_path / "back")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert b.config == a.config
+
+
+def test_the_shipped_model_exports_as_llama_with_its_logits(tmp_path):
+    out = export_hf(SHIPPED_MODEL, tmp_path / "hf")
+    ours, tok = load_model_dir(SHIPPED_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    assert transformers.PreTrainedTokenizerFast.from_pretrained(out)(text).input_ids == tok.encode(text)
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(pos_encoding="learned"), "closest is GPT-2, which needs LayerNorm, a GELU MLP"),
+    (dict(qkv_bias=True), "closest is Llama, which needs no biases"),
+    (dict(norm="layernorm", bias=True), "closest is Llama, which needs RMSNorm, no biases"),
+])
+def test_a_model_neither_family_expresses_is_refused(tiny_tokenizer, tmp_path, capsys, overrides, message):
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, **{**LLAMA_STYLE, **overrides})
+    with pytest.raises(ValueError, match="neither a GPT-2 nor a Llama"):
+        architecture(model.config)
+    save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
+    assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 1
+    assert message in capsys.readouterr().out
