@@ -21,7 +21,7 @@ help:
 	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
 	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
-	@echo "make bench-llama-cpp  llama.cpp's llama-server and llama-batched-bench, built for this CPU (cached)"
+	@echo "make bench-llama-cpp  llama.cpp's programs, built for this CPU (cached), and its converter's .venv-llama-cpp"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -115,9 +115,18 @@ $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
 
 bench-peers: $(PEERS)/bin/.installed
 
-# llama.cpp's llama-server and llama-batched-bench, built for this CPU from the source the llama-cpp-python
-# sdist vendors; cached under ~/.cache/attnserve/peers (about 10 minutes the first time)
-bench-llama-cpp:
+# llama.cpp as a peer (bench/peers/llama_cpp.py): llama-server, llama-batched-bench and llama-quantize, built
+# for this CPU from the source the llama-cpp-python sdist vendors and cached under ~/.cache/attnserve/peers
+# (about 10 minutes the first time); then .venv-llama-cpp, the virtualenv of that source's converter
+# (convert_hf_to_gguf.py: its requirements, torch pinned by constraints.txt; bench/requirements-llama-cpp.txt)
+LLAMA_CPP := .venv-llama-cpp
+$(LLAMA_CPP)/bin/.installed: bench/requirements-llama-cpp.txt constraints.txt
+	$(PYTHON) -m venv $(LLAMA_CPP)
+	$(LLAMA_CPP)/bin/pip install --quiet --upgrade pip
+	$(LLAMA_CPP)/bin/pip install --quiet -c constraints.txt -r bench/requirements-llama-cpp.txt
+	touch $@
+
+bench-llama-cpp: $(LLAMA_CPP)/bin/.installed
 	bench/peers/build-llama-cpp.sh
 
 bench: install bench-peers

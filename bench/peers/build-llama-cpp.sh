@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server and llama-batched-bench for `attnserve bench compare`, built as a user builds
-# them for this CPU: cmake with GGML_NATIVE=ON, from the llama.cpp source that the llama-cpp-python sdist
-# vendors (PyPI is the one registry these machines reach). No source is patched.
+# llama.cpp's llama-server, llama-batched-bench and llama-quantize for `attnserve bench compare`
+# (bench/peers/llama_cpp.py), built as a user builds them for this CPU: cmake with GGML_NATIVE=ON, from the
+# llama.cpp source that the llama-cpp-python sdist vendors (PyPI is the one registry these machines reach).
+# No source is patched.
 #
-#   bench/peers/build-llama-cpp.sh        # prints the folder that holds the two programs
+#   bench/peers/build-llama-cpp.sh           # prints the folder that holds the programs
+#   bench/peers/build-llama-cpp.sh --where   # builds nothing: prints that folder and the llama.cpp source's
 #
 # The build takes about 10 minutes on 2 cores, so it is cached under ~/.cache/attnserve/peers, in a folder
 # named for the version and this CPU's flags: a build for one CPU may not run on another.
@@ -15,11 +17,19 @@ CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/attnserve/peers"
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 CPU="$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
 BUILD="$CACHE/llama.cpp-$VERSION-$CPU"
-PROGRAMS=(llama-server llama-batched-bench)
+PROGRAMS=(llama-server llama-batched-bench llama-quantize)
 
 say() { echo "[build-llama-cpp] $*" >&2; }
 
-if "$BUILD/bin/llama-server" --version >/dev/null 2>&1 && "$BUILD/bin/llama-batched-bench" --help >/dev/null 2>&1; then
+if [ "${1:-}" = "--where" ]; then
+    printf '%s\n%s\n' "$BUILD/bin" "$SRC"
+    exit 0
+fi
+built=1
+for program in "${PROGRAMS[@]}"; do
+    [ -x "$BUILD/bin/$program" ] || built=0
+done
+if [ "$built" = 1 ] && "$BUILD/bin/llama-server" --version >/dev/null 2>&1; then
     echo "$BUILD/bin"
     exit 0
 fi
