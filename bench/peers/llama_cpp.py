@@ -27,13 +27,15 @@ GGUFs are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder
   `ignore_eos` sets the end-of-generation logits to -inf, as transformers' `min_new_tokens` does;
   the sampler chain is then logit bias → top-k 1 → pick: greedy, with no repetition penalty, DRY,
   top-p or min-p in it; `cache_prompt: false` makes every request prefill its whole prompt, as ours do.
-- `llama-batched-bench -m M -c 32×(prompt + new) -npp P -ntg N−1 -npl 1,32 -t C -tb C --output-format
-  jsonl`, one run per repeat (its own warm-up each time).
+- `llama-batched-bench -m M -c 32×(prompt + new) -npp P -ntg N−1 -npl 1,32,1 -t C -tb C --output-format
+  jsonl`, one run per repeat (its own warm-up each time; the last batch only guards the others' rows,
+  see the traps).
 
 **How it is measured.** Server: one untimed warm-up, the 32 stream prompts at once without streaming
 (`return_tokens`), whose greedy ids are the result's `tokens`; then per repeat the `single` prompts one
 after another and the 32 `streams` prompts at once, streamed over server-sent events with httpx2 (one
-keep-alive connection per stream). TTFT = send → the first chunk that carries a token; batch-1 tokens/s =
+keep-alive connection per stream, opened before the clock starts, anew for each phase: the server closes
+a connection idle for 5 s, and a request sent on one it is closing fails). TTFT = send → the first chunk that carries a token; batch-1 tokens/s =
 the prompts' new tokens / their summed request times; 32 streams = 32 × N / (first send → last
 chunk). Each chunk's tokens are counted from the server's `tokens_predicted`, and a request that ends
 with fewer than N (`stop_type` other than `limit`) fails the run. Peak RSS = the server's VmHWM
@@ -62,6 +64,11 @@ Peak RSS is the child's `ru_maxrss`.
   and the final chunk of a stream carries no ids, so the ids come from the non-streamed warm-up;
   the streamed runs count tokens with `tokens_predicted`, and a held-back first token delays the
   TTFT seen by the client to the chunk that carries it, as any client of the server sees it.
+- *batched-bench's rows*: llama.cpp prints its log from a thread of its own and may exit before that
+  thread has written the last lines (its common/log.cpp says so); a row was lost that way here. So the
+  batch sizes end with one more batch whose row may go, and a run missing a needed row runs again.
+- *A busy CPU*: llama.cpp's threads spin while they wait for each other (`--poll 50`), so with
+  threads = cores and anything else running, a step can take 100× longer. Measure on a quiet machine.
 - *GPT-2 details*: llama.cpp's GPT-2 graph assumes a 4 × n_embd MLP (the converter ignores `n_inner`;
   a model with another width fails to load) and computes GELU with the tanh approximation (ours:
   `gelu_new`, the same; a model with exact GELU would differ slightly).
