@@ -35,10 +35,11 @@ GGUFs are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder
 (`return_tokens`), whose greedy ids are the result's `tokens`; then per repeat the `single` prompts one
 after another and the 32 `streams` prompts at once, streamed over server-sent events with httpx2 (one
 keep-alive connection per stream, opened before the clock starts, anew for each phase: the server closes
-a connection idle for 5 s, and a request sent on one it is closing fails). TTFT = send → the first chunk that carries a token; batch-1 tokens/s =
-the prompts' new tokens / their summed request times; 32 streams = 32 × N / (first send → last
-chunk). Each chunk's tokens are counted from the server's `tokens_predicted`, and a request that ends
-with fewer than N (`stop_type` other than `limit`) fails the run. Peak RSS = the server's VmHWM
+a connection idle for 5 s, and a request sent on one it is closing fails). TTFT = send → the first chunk
+that carries a token; batch-1 tokens/s = the prompts' new tokens / their summed request times; 32
+streams = 32 × N / (first send → last chunk). Each chunk's tokens are counted from the server's
+`tokens_predicted`, and a request that ends with fewer than N (`stop_type` other than `limit`) fails the
+run. Peak RSS = the server's VmHWM
 (`/proc/<pid>/status`) before it stops (mapped weights included). batched-bench: `tokens_per_s` =
 B × N / (T_PP + T_TG), generated tokens over prefill plus decode like the server's figure, with
 `-ntg N−1` because the prefill already yields the first token (N − 1 decode steps make N tokens);
