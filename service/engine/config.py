@@ -26,6 +26,11 @@ class EngineConfig(BaseModel):
         512, ge=2, description="tokens per model step: one per running sequence plus prompt prefill")
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="cap on KV cache memory; unset = max_running full-context slots")
+    prefix_caching: bool = Field(
+        True, description="keep the keys and values of prompt prefixes for later requests that start with them")
+    prefix_cache_tokens: int | None = Field(
+        None, ge=0, description="positions the prefix cache keeps (in blocks of 16), counted in kv_cache_bytes; "
+                                "unset = 4 full contexts")
     max_new_tokens: int | None = Field(
         None, ge=1, description="limit on a request's max_new_tokens; unset = the model context - 1")
     max_prompt_tokens: int | None = Field(None, ge=1, description="limit on prompt tokens; unset = the context - 1")

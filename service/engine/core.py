@@ -33,12 +33,13 @@ from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
 from service.engine.kv_cache import KVCache, plan_slots
+from service.engine.prefix_cache import PrefixCache
 from service.engine.request import EngineLimits, FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
 from service.runtime.graph_choice import open_serving_graph
-from service.runtime.static_runner import StaticRunner
+from service.runtime.static_runner import CacheShape, StaticRunner
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,24 @@ class EngineStats:
     tokens_per_s: float  # generated tokens per second over the last 10 s
     generated_tokens: int  # since start
     steps: int  # model steps since start
+    prefix_queried_tokens: int  # prompt tokens of admitted requests looked up in the prefix cache, since start
+    prefix_hit_tokens: int  # of those, found there (their keys and values copied, not computed)
+    prefix_cache_bytes: int  # memory of the prefix cache, allocated once (0 when it is off)
+
+
+PREFIX_BLOCK_TOKENS = 16
+DEFAULT_PREFIX_CONTEXTS = 4  # the prefix cache holds this many full contexts unless told otherwise
+
+
+def plan_prefix_cache(shape: CacheShape, config: EngineConfig) -> PrefixCache | None:
+    """The prefix cache the config asks for (None when it is off or holds less than one block)."""
+    if not config.prefix_caching:
+        return None
+    tokens = config.prefix_cache_tokens
+    if tokens is None:
+        tokens = DEFAULT_PREFIX_CONTEXTS * shape.max_seq
+    n_blocks = tokens // PREFIX_BLOCK_TOKENS
+    return PrefixCache(shape, n_blocks, PREFIX_BLOCK_TOKENS) if n_blocks else None
 
 
 @dataclass
@@ -86,10 +105,18 @@ class Engine:
         # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
-        n_slots = plan_slots(self.runner.cache_shape, config.max_running, config.kv_cache_bytes)
-        self.kv = KVCache(self.runner.cache_shape, n_slots)
+        shape = self.runner.cache_shape
+        self.prefixes = plan_prefix_cache(shape, config)
+        budget = config.kv_cache_bytes
+        if budget is not None and self.prefixes is not None:
+            if self.prefixes.nbytes >= budget:
+                raise ValueError(f"the prefix cache ({self.prefixes.nbytes} bytes) leaves no room for a sequence in "
+                                 f"kv_cache_bytes={budget}: lower prefix_cache_tokens or raise the budget")
+            budget -= self.prefixes.nbytes
+        n_slots = plan_slots(shape, config.max_running, budget)
+        self.kv = KVCache(shape, n_slots)
         self.runner.attach(self.kv.buffers)
-        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
         self.limits = EngineLimits.of(config, m.n_ctx)
         self.requests: dict[str, RequestState] = {}
@@ -101,8 +128,10 @@ class Engine:
         self._rate_tokens = 0  # their sum
         self.generated_tokens = 0
         self.steps = 0
-        log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once", n_slots,
-                 self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes)
+        log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once; %s", n_slots,
+                 self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes,
+                 f"prefix cache: {self.prefixes.n_blocks} blocks x {self.prefixes.block_tokens} positions, "
+                 f"{self.prefixes.nbytes / 2**20:.1f} MiB" if self.prefixes else "prefix caching off")
 
     def warm_up(self) -> None:
         """Run the model at every decode batch size it will see (before any request is added):
@@ -337,8 +366,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot, in O(1): every figure is a counter kept as the state changes."""
+        p = self.prefixes
         return EngineStats(running_requests=self._running_requests, running_sequences=self.scheduler.num_running,
                            waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
                            kv_free_slots=self.kv.free_slots, kv_free_tokens=self.kv.free_tokens,
                            kv_bytes=self.kv.nbytes, tokens_per_s=self._recent_rate(time.monotonic()),
-                           generated_tokens=self.generated_tokens, steps=self.steps)
+                           generated_tokens=self.generated_tokens, steps=self.steps,
+                           prefix_queried_tokens=p.queried_tokens if p else 0,
+                           prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cache_bytes=p.nbytes if p else 0)

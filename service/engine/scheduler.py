@@ -12,6 +12,12 @@ the rest of `max_batch_tokens` to prefill, first come first served:
 
 So decode never stalls for more than one budgeted step, however long the prompts are.
 
+With a prefix cache, a prompt whose first blocks are cached gets them copied into its slot and
+continues from there, like the rest of a chunked prompt: it runs alone in its call (onnxruntime's
+attention continues a cache one row at a time), so it is admitted only at the head of a step's
+prompts. A prompt's whole blocks are kept when its prefill ends, and the blocks of what a sequence
+wrote (prompt and output) when it finishes, so a later chat turn finds the earlier one.
+
 The scheduler is the one owner of the KV cache's bookkeeping: which sequence holds which slot,
 how many positions each slot has written, and the token each decode row feeds next. The engine
 reports what ran (`prefilled`, `decoded`, `feed`, `free`, `drop`); the runner only reads.
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.kv_cache import KVCache
+from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import RequestState, Sequence, Status
 
 
@@ -72,8 +79,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int):
+    def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int, prefixes: PrefixCache | None = None):
         self.kv = kv
+        self.prefixes = prefixes
         self.max_running = min(max_running, kv.n_slots)
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[RequestState] = deque()
@@ -110,12 +118,22 @@ class Scheduler:
                 break
             if batch and (len(batch) + 1) * max(longest, length) > budget:
                 break
+            hit = self.prefixes.match(state.prompt) if self.prefixes else None
+            if hit and hit.blocks and batch:
+                break  # it continues a cache: alone, at the head of the next step's prompts
             self.waiting.popleft()
             first = state.seqs[0]
             first.slot = self.kv.allocate(first)
             self.kv.reserve(n - 1)  # the siblings get slots when the prompt is in the cache
             state.reserved = n - 1
             first.status = Status.PREFILLING
+            if hit is not None:
+                self.prefixes.count(length, hit)
+            if hit and hit.blocks:  # the cached blocks go into the slot; the rest is prefilled like a chunk
+                self.prefixes.load(hit, self.kv, first.slot)
+                first.num_prefilled = state.cached_tokens = hit.tokens
+                self.chunking = first
+                return self._next_chunk(first, budget)
             if length > budget:  # alone, and still too long: chunk it
                 self.chunking = first
                 return self._next_chunk(first, budget)
@@ -139,6 +157,8 @@ class Scheduler:
             seq.status = Status.DECODING
             if self.chunking is seq:
                 self.chunking = None
+            if self.prefixes:
+                self.prefixes.store(seq.state.prompt, self.kv, seq.slot)
             complete.append((row, seq))
             for sibling in seq.state.seqs:
                 if sibling is not seq:
@@ -168,7 +188,10 @@ class Scheduler:
         sibling.status = Status.DECODING
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's slot (or its reservation) now."""
+        """Release the sequence's slot (or its reservation) now; a prefix cache keeps what it wrote."""
+        if seq.slot is not None and self.prefixes and seq.status is Status.DECODING:
+            written = int(self.kv.lengths[seq.slot])  # the prompt, then every output token fed back
+            self.prefixes.store((seq.state.prompt + seq.output_ids)[:written], self.kv, seq.slot)
         if seq.slot is not None:
             moved = self.kv.release(seq.slot)
             if moved is not None:

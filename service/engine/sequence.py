@@ -25,6 +25,7 @@ class Timing:
     arrival: float
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -57,6 +58,7 @@ class RequestState:
     first_token_at: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
     reserved: int = 0  # KV slots promised to siblings not yet forked
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     done: bool = False
 
     @property
@@ -68,4 +70,4 @@ class RequestState:
         return self.request.prompt_token_ids
 
     def timing(self) -> Timing:
-        return Timing(self.arrival, self.scheduled_at, self.first_token_at)
+        return Timing(self.arrival, self.scheduled_at, self.first_token_at, self.cached_tokens)

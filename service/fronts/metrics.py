@@ -11,6 +11,8 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from service.engine.core import EngineStats
 
@@ -43,6 +45,9 @@ class Metrics:
         self.requests = Counter("attnserve_requests", "Finished calls by protocol (grpc, http), method (RPC or "
                                 "path) and status (gRPC code name, HTTP status)", ["protocol", "method", "code"],
                                 registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "attnserve_prefix_cache_hit_rate", "Share of admitted prompt tokens found in the prefix cache since start "
+            "(0..1)", registry=r)
         self._http: WSGIServer | None = None
 
     def watch(self, stats: Callable[[], EngineStats]) -> None:
@@ -50,6 +55,8 @@ class Metrics:
         self.requests_running.set_function(lambda: stats().running_requests)
         self.requests_waiting.set_function(lambda: stats().waiting_requests)
         self.kv_cache_usage.set_function(lambda: _usage(stats()))
+        self.prefix_cache_hit_rate.set_function(lambda: _hit_rate(stats()))
+        self.registry.register(_PrefixCacheCounters(stats))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server on a daemon thread; returns the bound port."""
@@ -65,3 +72,21 @@ class Metrics:
 
 def _usage(s: EngineStats) -> float:
     return 1.0 - s.kv_free_slots / s.kv_slots if s.kv_slots else 0.0
+
+
+def _hit_rate(s: EngineStats) -> float:
+    return s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
+
+
+class _PrefixCacheCounters(Collector):
+    """The prefix cache's token counters, read from the engine's snapshot at scrape time (for rate())."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        yield CounterMetricFamily("attnserve_prefix_cache_queried_tokens", "Prompt tokens of admitted requests "
+                                  "looked up in the prefix cache", value=s.prefix_queried_tokens)
+        yield CounterMetricFamily("attnserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
+                                  "(keys and values copied, not computed)", value=s.prefix_hit_tokens)

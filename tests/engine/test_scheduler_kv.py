@@ -144,9 +144,15 @@ def test_slots_stay_dense_and_memory_fixed_over_a_run(make_engine):
 def test_kv_cache_bytes_caps_the_slots(make_engine, engine_bundle):
     probe = make_engine(max_running=8)
     per_slot = probe.kv.shape.bytes_per_slot
-    engine = make_engine(max_running=8, kv_cache_bytes=3 * per_slot + 100)
+    engine = make_engine(max_running=8, kv_cache_bytes=3 * per_slot + 100, prefix_caching=False)
     assert engine.kv.n_slots == 3 and engine.kv.nbytes == 3 * per_slot
     assert engine.stats().kv_slots == 3
+    # the prefix cache is counted in the same budget
+    prefixes = probe.prefixes.nbytes
+    assert prefixes > 0 and probe.stats().prefix_cache_bytes == prefixes
+    assert make_engine(max_running=8, kv_cache_bytes=3 * per_slot + prefixes + 100).kv.n_slots == 3
+    with pytest.raises(ValueError, match="prefix cache"):
+        make_engine(max_running=8, kv_cache_bytes=prefixes)
     run = drive(engine, [greedy(f"r{i}", [i + 1, 2, 3], 6) for i in range(7)])
     assert len(run.events) == 7 and not run.errors
 
@@ -226,7 +232,7 @@ def test_admission_is_first_come_first_served(make_engine):
 
 
 def test_n_siblings_share_one_prefill_and_copy_its_cache(make_engine):
-    engine = make_engine(max_running=8, max_batch_tokens=20)
+    engine = make_engine(max_running=8, max_batch_tokens=20, prefix_caching=False)  # each run prefills it all
     prefilled: list[int] = []
     copies: list[tuple[int, int, int]] = []
     prefill_batch, prefill, copy = engine.runner.prefill_batch, engine.runner.prefill, engine.kv.copy

@@ -8,6 +8,7 @@ import asyncio
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is a test tool of the HTTP front")
@@ -169,6 +170,20 @@ def test_connections_send_small_chunks_at_once(server):
         assert h.get("/health").status_code == 200  # the connection stays open (keep-alive)
         flags = server.call(nodelay())
     assert flags and all(flags)
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(api, client):
+    rng = np.random.default_rng(17)
+    prefix = rng.integers(1, 60, 40).tolist()  # 40 tokens: two whole blocks of 16 once cached
+    first = api.completions.create(model="", prompt=prefix + [3], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = api.completions.create(model="", prompt=prefix + [5, 6], max_tokens=2)
+    assert again.usage.prompt_tokens == 42 and again.usage.prompt_tokens_details.cached_tokens == 32
+    streamed = api.completions.create(model="", prompt=prefix + [7], max_tokens=2, stream=True,
+                                      stream_options={"include_usage": True})
+    assert list(streamed)[-1].usage.prompt_tokens_details.cached_tokens == 32
+    usage = client.generate(prefix + [8], max_new_tokens=2).usage
+    assert usage.prompt_tokens == 41 and usage.cached_prompt_tokens == 32
 
 
 def test_metrics_count_http_calls_by_protocol(api, server):

@@ -210,7 +210,9 @@ def test_metrics_endpoint(server, client):
     for name in ("attnserve_time_to_first_token_seconds_bucket", "attnserve_inter_token_latency_seconds_count",
                  "attnserve_request_duration_seconds_sum", "attnserve_queue_duration_seconds_count",
                  "attnserve_requests_running", "attnserve_requests_waiting", "attnserve_kv_cache_usage_ratio",
-                 "attnserve_generated_tokens_total", "attnserve_prompt_tokens_total"):
+                 "attnserve_generated_tokens_total", "attnserve_prompt_tokens_total",
+                 "attnserve_prefix_cache_hit_rate", "attnserve_prefix_cache_queried_tokens_total",
+                 "attnserve_prefix_cache_hit_tokens_total"):
         assert f"\n{name}" in body, name
     assert 'attnserve_requests_total{code="OK",method="Generate",protocol="grpc"}' in body
     assert 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Generate",protocol="grpc"}' in body

@@ -67,7 +67,8 @@ def usage(wire: AcceptedRequest, events_time: float, completion_tokens: int, tim
     queue = (timing.scheduled_at or events_time) - arrival
     ttft = (timing.first_token_at or events_time) - arrival
     return pb.Usage(prompt_tokens=len(wire.request.prompt_token_ids), completion_tokens=completion_tokens,
-                    queue_ms=1000 * queue, ttft_ms=1000 * ttft, total_ms=1000 * (events_time - arrival))
+                    queue_ms=1000 * queue, ttft_ms=1000 * ttft, total_ms=1000 * (events_time - arrival),
+                    cached_prompt_tokens=timing.cached_tokens)
 
 
 @dataclass

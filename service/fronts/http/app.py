@@ -256,6 +256,7 @@ class HttpFront:
             return Response(status_code=499)
         finally:
             generation.close()
+        builder.cached_tokens = generation.cached_prompt_tokens
         return self._ok(call, JSONResponse(builder.response(), headers={"X-Request-Id": wires[0].request_id}))
 
     async def _events(self, generation: Generation, builder: ResponseBuilder, outcome: dict[str, str]):
@@ -269,6 +270,7 @@ class HttpFront:
                 for chunk in builder.chunks(index, events):
                     yield chunk
             if builder.include_usage:
+                builder.cached_tokens = generation.cached_prompt_tokens
                 yield builder.usage_chunk()
             outcome["code"] = "200"
         except EngineError as e:

@@ -78,6 +78,11 @@ class Generation:
         except EngineError as e:
             queue.put_nowait((index, e))
 
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache supplied, over every prompt of the call."""
+        return sum(stream.timing.cached_tokens for stream in self.streams)
+
     def close(self) -> None:
         """Cancel what still runs and free the slots; count the generation out of the drain."""
         if self._closed:

@@ -49,9 +49,11 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose keys and values came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.choices = [Choice(p * self.n + j) for p in range(len(wires)) for j in range(self.n)]
         self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in wires)
+        self.cached_tokens = 0  # of those, found in the prefix cache: set when the generation ends
         self.want_logprobs = wires[0].want_logprobs
         self.logprobs = [self._new_logprobs() for _ in self.choices]  # each choice's, whole
         self._echoed: set[int] = set()
@@ -135,8 +138,8 @@ class ResponseBuilder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
