@@ -15,6 +15,7 @@ BENCHES = {
     "llama-shape": ("bench.llama_shape", "a random Llama-family model of a real size (SmolLM2-135M's) through "
                                          "import-hf, export and the engine"),
     "rotary-placement": ("bench.rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
+    "prefix-cache": ("bench.prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
     "bandwidth": ("bench.bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
 }
 

@@ -95,7 +95,8 @@ def random_bundle(bundle: Path, out: Path, **shape) -> Path:
     shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
     c = model.config
     manifest.model = manifest.model.model_copy(update=dict(vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer,
-                                                           n_head=c.n_head, d_model=c.d_model, d_head=c.d_head))
+                                                           n_head=c.n_head, d_model=c.d_model, d_head=c.d_head,
+                                                           n_kv_head=c.kv_heads, architecture="gpt2"))
     manifest.graphs = {"static": spec}
     manifest.default_graph = "static"
     write_manifest(out, manifest)

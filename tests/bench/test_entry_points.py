@@ -30,8 +30,10 @@ QUICK = {
     "rotary-placement": ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
                          "--vocab", "4096", "--context", "128", "--steps", "2", "--rounds", "1", "--out", "{out}"],
     "bandwidth": ["--mb", "8", "--rounds", "1", "--out", "{out}"],
+    "prefix-cache": ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "4096", "--context", "256",
+                     "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
 }
-SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement"}  # start a server, or export a graph with torch
+SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
