@@ -18,7 +18,7 @@ GGUFs are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder
 **Settings** (the server, every request, and batched-bench):
 
 - `llama-server -m M --host 127.0.0.1 --port P --parallel 32 --cont-batching -c 32×(prompt + new + 16)
-  --threads C --threads-batch C --no-webui`, C = the cores this process may use (2 here; llama.cpp's
+  --threads C --threads-batch C --no-ui`, C = the cores this process may use (2 here; llama.cpp's
   documented advice is the physical cores). Everything else at its default (flash attention `auto`,
   `-b 2048 -ub 512`, mmap). With `--parallel 32` each slot has a 32nd of the context.
 - Each request: `POST /completion` `{"prompt": [ids], "n_predict": N, "ignore_eos": true,
@@ -34,14 +34,16 @@ GGUFs are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder
 **How it is measured.** Server: one untimed warm-up, the 32 stream prompts at once without streaming
 (`return_tokens`), whose greedy ids are the result's `tokens`; then per repeat the `single` prompts one
 after another and the 32 `streams` prompts at once, streamed over server-sent events with httpx2 (one
-keep-alive connection per stream, opened before the clock starts, anew for each phase: the server closes
-a connection idle for 5 s, and a request sent on one it is closing fails). TTFT = send → the first chunk
-that carries a token; batch-1 tokens/s = the prompts' new tokens / their summed request times; 32
-streams = 32 × N / (first send → last chunk). Each chunk's tokens are counted from the server's
-`tokens_predicted`, and a request that ends with fewer than N (`stop_type` other than `limit`) fails the
-run. Peak RSS = the server's VmHWM
-(`/proc/<pid>/status`) before it stops (mapped weights included). batched-bench: `tokens_per_s` =
-B × N / (T_PP + T_TG), generated tokens over prefill plus decode like the server's figure, with
+keep-alive connection per stream, opened before the clock starts, anew for each phase, as the server
+closes a connection idle for 5 s). TTFT = send → the first chunk that carries a token; batch-1
+tokens/s = the prompts' new tokens / their summed request times; 32 streams = 32 × N / (first send →
+last chunk). Each chunk's tokens are counted from the server's `tokens_predicted`, and a request that
+ends with fewer than N (`stop_type` other than `limit`) fails the run. A request that fails before any
+response because the server closed its kept-alive connection as it went out (about one run in 25
+here) is sent once more, timed from its first send, and counted in the settings (`retried`). Peak
+RSS = the server's VmHWM (`/proc/<pid>/status`) before it stops (mapped weights included).
+batched-bench: `tokens_per_s` = B × N / (T_PP + T_TG), generated tokens over prefill plus decode like
+the server's figure, with
 `-ntg N−1` because the prefill already yields the first token (N − 1 decode steps make N tokens);
 its own S_TG (decode only, (N−1)·B / T_TG) is kept beside it as `s_tg_tokens_per_s`. It has no TTFT
 and no token ids (None), prefills random tokens of the prompts' length, and samples nothing.
@@ -59,8 +61,9 @@ Peak RSS is the child's `ru_maxrss`.
   converter unchanged and, only when it refuses and tokenizer.json's pre-tokenizer is exactly GPT-2's
   byte-level one, names it "gpt-2" (same regex in llama.cpp). The tests check llama.cpp's tokenizer
   against ours on text. Prompts are token ids, so text never enters the measurement.
-- *repeat_penalty*: the server's README gives 1.1 as the request default; every request sets 1.0, and
-  the sampler chain (`samplers: ["top_k"]`) has no penalties sampler at all.
+- *repeat_penalty*: the server's README gives 1.1 as the request default (this build reports 1.0 in a
+  reply's `generation_settings`, with "penalties" first in its default samplers); every request sets
+  1.0, and its sampler chain (`samplers: ["top_k"]`) has no penalties sampler at all.
 - *Streaming and ids*: a streamed chunk is held back while the text ends inside a UTF-8 character,
   and the final chunk of a stream carries no ids, so the ids come from the non-streamed warm-up;
   the streamed runs count tokens with `tokens_predicted`, and a held-back first token delays the
@@ -211,70 +214,97 @@ def check_final(final: dict | None, new_tokens: int) -> None:
                            f"(stop_type {final.get('stop_type')!r})")
 
 
-async def generate(http: httpx2.AsyncClient, prompt: list[int], new_tokens: int) -> list[int]:
-    """One request, not streamed: its generated ids."""
-    response = await http.post("/completion", json=request_body(prompt, new_tokens, stream=False))
-    response.raise_for_status()
-    data = response.json()
-    check_final(data, new_tokens)
-    return data["tokens"]
+class Completions:
+    """llama-server's `POST /completion` over one httpx2 client with `n` keep-alive connections, opened
+    before it is used (before the clock starts). Now and then the server closes a kept-alive connection
+    just as a request goes out on it, which then fails before any response ("Server disconnected without
+    sending a response"): such a request is sent once more, from its first send time, and counted."""
+
+    def __init__(self, http: httpx2.AsyncClient):
+        self.http = http
+        self.retried = 0  # requests sent again on a fresh connection
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connected(cls, url: str, n: int):
+        limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx2.AsyncClient(base_url=url, limits=limits, timeout=httpx2.Timeout(600.0)) as http:
+            for response in await asyncio.gather(*(http.get("/health") for _ in range(n))):
+                response.raise_for_status()
+            yield cls(http)
+
+    async def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """One request, not streamed: its generated ids."""
+        body = request_body(prompt, new_tokens, stream=False)
+        try:
+            response = await self.http.post("/completion", json=body)
+        except httpx2.RemoteProtocolError:
+            self.retried += 1
+            response = await self.http.post("/completion", json=body)
+        response.raise_for_status()
+        data = response.json()
+        check_final(data, new_tokens)
+        return data["tokens"]
+
+    async def stream(self, prompt: list[int], new_tokens: int) -> RequestRecord:
+        """One streamed request: each chunk's arrival and the tokens generated since the previous chunk."""
+        record = RequestRecord(time.perf_counter(), expected_tokens=new_tokens)
+        try:
+            final = await self._stream(request_body(prompt, new_tokens, stream=True), record)
+        except httpx2.RemoteProtocolError:
+            if record.arrivals:
+                raise
+            self.retried += 1
+            final = await self._stream(request_body(prompt, new_tokens, stream=True), record)
+        check_final(final, new_tokens)
+        return record
+
+    async def _stream(self, body: dict, record: RequestRecord) -> dict | None:
+        seen, final = 0, None
+        async with self.http.stream("POST", "/completion", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"llama-server answered {response.status_code}: {(await response.aread())[:500]!r}")
+            async for event in httpx2.EventSource(response):
+                now = time.perf_counter()
+                if event.data == "[DONE]":
+                    continue
+                data = json.loads(event.data)
+                if "error" in data:
+                    raise RuntimeError(f"llama-server: {data['error']}")
+                if data.get("tokens_predicted", 0) > seen:  # a chunk held back for UTF-8 is counted in the next
+                    record.arrived(now, data["tokens_predicted"] - seen)
+                    seen = data["tokens_predicted"]
+                if data.get("stop"):
+                    final = data
+        return final
 
 
-async def stream(http: httpx2.AsyncClient, prompt: list[int], new_tokens: int) -> RequestRecord:
-    """One streamed request: each chunk's arrival and the tokens generated since the previous chunk."""
-    record = RequestRecord(time.perf_counter(), expected_tokens=new_tokens)
-    seen, final = 0, None
-    async with http.stream("POST", "/completion", json=request_body(prompt, new_tokens, stream=True)) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"llama-server answered {response.status_code}: {(await response.aread())[:500]!r}")
-        async for event in httpx2.EventSource(response):
-            now = time.perf_counter()
-            if event.data == "[DONE]":
-                continue
-            data = json.loads(event.data)
-            if "error" in data:
-                raise RuntimeError(f"llama-server: {data['error']}")
-            if data.get("tokens_predicted", 0) > seen:  # a chunk held back for UTF-8 is counted in the next
-                record.arrived(now, data["tokens_predicted"] - seen)
-                seen = data["tokens_predicted"]
-            if data.get("stop"):
-                final = data
-    check_final(final, new_tokens)
-    return record
-
-
-@contextlib.asynccontextmanager
-async def connected(url: str, n: int):
-    """An httpx2 client with `n` keep-alive connections to `url`, open before it is used (before the clock
-    starts), and new for each phase: llama-server closes a connection that idles for 5 s."""
-    limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx2.AsyncClient(base_url=url, limits=limits, timeout=httpx2.Timeout(600.0)) as http:
-        for response in await asyncio.gather(*(http.get("/health") for _ in range(n))):
-            response.raise_for_status()
-        yield http
-
-
-async def drive(url: str, spec: dict) -> tuple[list[list[int]], dict, dict]:
+async def drive(url: str, spec: dict) -> tuple[list[list[int]], dict, dict, int]:
     """The warm-up (whose ids are the result's tokens), then per repeat the batch-1 prompts in turn and
-    the streams at once: (tokens, single, streams) as the protocol has them."""
+    the streams at once: (tokens, single, streams) as the protocol has them, and the requests retried.
+    Each phase opens its connections anew: the server closes a connection that idles for 5 s."""
     n, prompts = spec["new_tokens"], spec["streams"]
     single = {"tokens_per_s": [], "ttft_s": []}
     many = {"n": len(prompts), "tokens_per_s": [], "ttft_p50_s": [], "ttft_p99_s": []}
-    async with connected(url, len(prompts)) as http:
-        tokens = await asyncio.gather(*(generate(http, p, n) for p in prompts))
+    retried = 0
+    async with Completions.connected(url, len(prompts)) as client:
+        tokens = await asyncio.gather(*(client.generate(p, n) for p in prompts))
+        retried += client.retried
     for _ in range(spec["repeats"]):
-        async with connected(url, 1) as http:
-            records = [await stream(http, p, n) for p in spec["single"]]
+        async with Completions.connected(url, 1) as client:
+            records = [await client.stream(p, n) for p in spec["single"]]
+            retried += client.retried
         single["tokens_per_s"].append(n * len(records) / sum(r.e2e for r in records))
         single["ttft_s"].append(statistics.median(r.ttft for r in records))
-        async with connected(url, len(prompts)) as http:
-            records = await asyncio.gather(*(stream(http, p, n) for p in prompts))
+        async with Completions.connected(url, len(prompts)) as client:
+            records = await asyncio.gather(*(client.stream(p, n) for p in prompts))
+            retried += client.retried
         elapsed = max(r.end for r in records) - min(r.sent for r in records)
         ttfts = [r.ttft for r in records]
         many["tokens_per_s"].append(n * len(records) / elapsed)
         many["ttft_p50_s"].append(percentile(ttfts, 50))
         many["ttft_p99_s"].append(percentile(ttfts, 99))
-    return list(tokens), single, many
+    return list(tokens), single, many, retried
 
 
 class LlamaServer:
@@ -285,7 +315,7 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "--parallel", str(SLOTS), "--cont-batching", "-c", str(context), "--threads", str(threads),
-                     "--threads-batch", str(threads), "--no-webui"]
+                     "--threads-batch", str(threads), "--no-ui"]
         self.log = log
         self.proc: subprocess.Popen | None = None
 
@@ -324,7 +354,7 @@ class LlamaServer:
 def measure_server(bin_dir: Path, gguf: Path, spec: dict, threads: int, work: Path) -> dict:
     context = context_per_sequence(spec) * SLOTS
     with LlamaServer(bin_dir, gguf, context, threads, work / f"{gguf.stem}-server.log") as server:
-        tokens, single, streams = asyncio.run(drive(server.url, spec))
+        tokens, single, streams, retried = asyncio.run(drive(server.url, spec))
         peak = server.peak_rss_bytes()
     slot = re.search(r"n_ctx_slot = (\d+)", server.log.read_text())  # as it sized them: padded, capped at training
     settings = {"threads": threads, "threads_batch": threads, "parallel": SLOTS, "cont_batching": True,
@@ -335,6 +365,7 @@ def measure_server(bin_dir: Path, gguf: Path, spec: dict, threads: int, work: Pa
                 "client": "POST /completion streamed (SSE), httpx2, one keep-alive connection per stream",
                 "ttft": "send to the first chunk that carries a token",
                 "warm_up": "the streams' prompts at once, not streamed; their ids are `tokens`",
+                "retried": retried,  # requests sent again: the server closed their kept-alive connection
                 "command": " ".join(Path(a).name if a.startswith("/") else a for a in server.args)}
     return {"system": "llama.cpp server", "settings": settings, "single": single, "streams": streams,
             "tokens": tokens, "peak_rss_bytes": peak}
