@@ -20,7 +20,8 @@ help:
 	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
 	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
-	@echo "make bench-peers  the peers' virtualenv (.venv-peers: transformers + optimum) for the comparison"
+	@echo "make bench-peers  the peers' virtualenvs for the comparison: .venv-peers (transformers + optimum), .venv-ct2"
+	@echo "                (CTranslate2), .venv-openvino (OpenVINO through optimum-intel)"
 	@echo "make bench-llama-cpp  llama.cpp's programs, built for this CPU (cached), and its converter's .venv-llama-cpp"
 	@echo "make lint       ruff"
 
@@ -106,14 +107,33 @@ bench-quantization: install
 	$(BIN)/attnserve bench quantization
 	$(BIN)/attnserve bench quantization --gpt2-shape
 
-PEERS := .venv-peers
+# The peers of `attnserve bench compare`, each in its own virtualenv, never in the runtime dependencies:
+# .venv-peers (transformers + optimum with onnxruntime), .venv-ct2 (CTranslate2 and its converter) and
+# .venv-openvino (optimum-intel with OpenVINO and nncf), torch pinned by constraints.txt in each. The
+# torchvision that optimum-intel pulls in is built for another torch and breaks transformers' imports: removed.
+PEERS    := .venv-peers
+CT2      := .venv-ct2
+OPENVINO := .venv-openvino
 $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
 	$(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/pip install --quiet --upgrade pip
 	$(PEERS)/bin/pip install --quiet -c constraints.txt -r bench/requirements-peers.txt
 	touch $@
 
-bench-peers: $(PEERS)/bin/.installed
+$(CT2)/bin/.installed: bench/requirements-ct2.txt constraints.txt
+	$(PYTHON) -m venv $(CT2)
+	$(CT2)/bin/pip install --quiet --upgrade pip
+	$(CT2)/bin/pip install --quiet -c constraints.txt -r bench/requirements-ct2.txt
+	touch $@
+
+$(OPENVINO)/bin/.installed: bench/requirements-openvino.txt constraints.txt
+	$(PYTHON) -m venv $(OPENVINO)
+	$(OPENVINO)/bin/pip install --quiet --upgrade pip
+	$(OPENVINO)/bin/pip install --quiet -c constraints.txt -r bench/requirements-openvino.txt
+	$(OPENVINO)/bin/pip uninstall --quiet -y torchvision
+	touch $@
+
+bench-peers: $(PEERS)/bin/.installed $(CT2)/bin/.installed $(OPENVINO)/bin/.installed
 
 # llama.cpp as a peer (bench/peers/llama_cpp.py): llama-server, llama-batched-bench and llama-quantize, built
 # for this CPU from the source the llama-cpp-python sdist vendors and cached under ~/.cache/attnserve/peers
@@ -129,7 +149,8 @@ $(LLAMA_CPP)/bin/.installed: bench/requirements-llama-cpp.txt constraints.txt
 bench-llama-cpp: $(LLAMA_CPP)/bin/.installed
 	bench/peers/build-llama-cpp.sh
 
-bench: install bench-peers
+# the comparison: every peer (bench-peers, bench-llama-cpp) and attnserve at the three sizes, one interleaved run
+bench: install bench-peers bench-llama-cpp
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128 --noop-check
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --mixed
 	$(BIN)/attnserve bench compare
@@ -138,4 +159,4 @@ soak: install
 	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(SERVING) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) .pytest_cache .ruff_cache .hypothesis
