@@ -66,23 +66,27 @@ def serve_plots(result: dict, out: Path, name: str) -> list[Path]:
     return paths
 
 
-def compare_plot(rows: list[dict], out: Path) -> Path:
-    """Tokens/s of every system at each batch size / concurrency, grouped bars."""
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    batches = sorted({r["batch"] for r in rows})
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    x = np.arange(len(batches))
-    for i, system in enumerate(systems):
-        values = [next((r["tokens_per_s"] for r in rows if r["system"] == system and r["batch"] == b), 0)
-                  for b in batches]
-        ax.bar(x + (i - (len(systems) - 1) / 2) * width, values, width, label=system)
-    ax.set_xticks(x, [str(b) for b in batches])
-    ax.set_xlabel("batch size / concurrent streams")
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title("Same weights, same prompts, same run")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+def compare_plot(result: dict, out: Path) -> Path:
+    """One row of panels per size: batch-1 tokens/s and 32-stream aggregate tokens/s, one bar per system
+    and precision (attnserve's in a colour of their own)."""
+    sizes = [info["size"] for info in result["sizes"]]
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 0.9 + 0.28 * max(
+        (sum(1 for r in result["rows"] if r["size"] == s) for s in sizes), default=1) * len(sizes) + 0.6 * len(sizes)),
+        squeeze=False)
+    for row_axes, size in zip(axes, sizes, strict=True):
+        rows = [r for r in result["rows"] if r["size"] == size]
+        labels = [f"{r['system']} {r['precision']}" for r in rows]
+        colours = ["tab:red" if r["ours"] else "tab:blue" for r in rows]
+        y = np.arange(len(rows))
+        for ax, field, title in ((row_axes[0], "single_tokens_per_s", "batch 1"),
+                                 (row_axes[1], "streams_tokens_per_s", "32 streams")):
+            ax.barh(y, [r[field] or 0 for r in rows], color=colours)
+            ax.set_yticks(y, labels, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_title(f"{size}: {title}", fontsize=9)
+            ax.set_xlabel("generated tokens/s", fontsize=8)
+            ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Same weights, same prompts, same greedy tokens, one interleaved run", fontsize=10)
     fig.tight_layout()
     path = out / "compare.png"
     fig.savefig(path, dpi=110)

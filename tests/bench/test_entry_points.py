@@ -19,8 +19,8 @@ QUICK = {
                "--contexts", "16,32", "--sampler-vocab", "1000", "--sampler-steps", "4", "--out", "{out}"],
     "serve": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--requests-per-client", "1",
               "--out", "{out}"],
-    "compare": ["--model", "{model}", "--bundle", "{bundle}", "--batches", "1,2", "--new-tokens", "4",
-                "--repeats", "1", "--requests-per-client", "1", "--skip", "transformers,optimum", "--out", "{out}"],
+    "compare": ["--quick", "--sizes", "gpt2-124m", "--systems", "attnserve:fp32", "--work", "{out}/work",
+                "--bandwidth-gbps", "20", "--out", "{out}"],
     "soak": ["--bundle", "{bundle}", "--minutes", "0.05", "--interval", "1", "--concurrency", "2", "--out", "{out}"],
     "onnx-variants": ["--bundle", "{bundle}", "--repeats", "1", "--out", "{out}"],  # no --quality: needs the corpus
     "quantization": ["--bundle", "{bundle}", "--quick", "--out", "{out}"],

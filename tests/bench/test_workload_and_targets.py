@@ -1,13 +1,8 @@
-"""The benchmark workloads (same prompts for every system) and the comparison's verdicts."""
+"""The benchmark workloads: the same prompts for every system (the comparison's verdicts: test_compare.py)."""
 
 from __future__ import annotations
 
-import math
-
-import pytest
-
 from bench import workload
-from bench.compare import TARGETS, evaluate, prompts_for, ttft_check
 
 
 def test_fixed_workload_is_seeded_and_in_range():
@@ -34,42 +29,3 @@ def test_batches_deal_round_robin():
     plan = workload.batches(items, 3)
     assert [len(p) for p in plan] == [3, 2, 2]
     assert plan[0] == [items[0], items[3], items[6]]
-
-
-def test_every_system_gets_the_same_prompts():
-    assert prompts_for(8, 16, 4096, seed=0) == prompts_for(8, 16, 4096, seed=0)
-    assert len(prompts_for(32, 16, 4096, seed=0)) == 32
-
-
-def rows(values: dict[tuple[str, int], float]) -> list[dict]:
-    return [{"system": s, "batch": b, "tokens_per_s": v} for (s, b), v in values.items()]
-
-
-def test_targets_are_ratios_of_medians():
-    r = rows({("transformers", 1): 200, ("optimum", 1): 400, ("attnserve in-process", 1): 900,
-              ("attnserve gRPC", 1): 700, ("transformers", 32): 2000, ("optimum", 32): 1500,
-              ("attnserve in-process", 32): 6000, ("attnserve gRPC", 32): 5000})
-    verdicts = {t["target"]: t for t in evaluate(r)}
-    assert len(verdicts) == len(TARGETS)
-    b1_hf = verdicts["batch 1: attnserve in-process ≥ 3× HF generate"]
-    assert b1_hf["ratio"] == pytest.approx(4.5) and b1_hf["met"] is True
-    assert verdicts["batch 1: attnserve over gRPC ≥ 2× optimum"]["met"] is False  # 1.75×
-    assert verdicts["32 gRPC streams ≥ 3× optimum at batch 32"]["ratio"] == pytest.approx(5000 / 1500)
-    assert verdicts["32 gRPC streams ≥ 0.85× the engine in-process"]["met"] is False  # 0.83×
-
-
-def test_a_peer_not_measured_gives_no_verdict():
-    verdicts = evaluate(rows({("attnserve gRPC", 1): 700, ("transformers", 1): 200}))
-    missing = [t for t in verdicts if "optimum" in t["target"]]
-    assert missing and all(math.isnan(t["ratio"]) and t["met"] is None for t in missing)
-
-
-def test_ttft_check_compares_loaded_p99_with_idle_p50():
-    latency = {1: [{"ttft_s": {"p50": 0.004, "p99": 0.006}}, {"ttft_s": {"p50": 0.006, "p99": 0.008}}],
-               32: [{"ttft_s": {"p50": 0.01, "p99": 0.014}}, {"ttft_s": {"p50": 0.01, "p99": 0.016}}]}
-    t = ttft_check(latency)
-    assert t["streams"] == 32 and t["idle_ttft_p50_s"] == pytest.approx(0.005)
-    assert t["loaded_ttft_p99_s"] == pytest.approx(0.015) and t["ratio"] == pytest.approx(3.0) and t["met"]
-    latency[32][0]["ttft_s"]["p99"] = 0.02
-    assert not ttft_check(latency)["met"]
-    assert ttft_check({32: latency[32]}) is None
