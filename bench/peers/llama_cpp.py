@@ -12,15 +12,18 @@ cmake, `-DGGML_NATIVE=ON -DLLAMA_USE_PREBUILT_UI=OFF`, static, from the source t
 sdist vendors (PyPI is the one registry here), no source patched. The weights are ours, through
 `attnserve export-hf`, converted by llama.cpp's own `convert_hf_to_gguf.py` in its own virtualenv
 (`.venv-llama-cpp`, bench/requirements-llama-cpp.txt): `--outtype f32`, `f16` or `q8_0`; q4_0 is
-`llama-quantize <f32 GGUF> <out> Q4_0` (its defaults), from f32 so that only one rounding is measured.
-GGUFs are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder per model.
+`llama-quantize <f32 GGUF> <out> Q4_0` (its defaults, which keep the token embedding, GPT-2's tied head,
+at Q6_K), from f32 so that only one rounding is measured; q8_0 keeps norms and biases in f32. GGUFs
+are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder per model.
 
 **Settings** (the server, every request, and batched-bench):
 
 - `llama-server -m M --host 127.0.0.1 --port P --parallel 32 --cont-batching -c 32×(prompt + new + 16)
   --threads C --threads-batch C --no-ui`, C = the cores this process may use (2 here; llama.cpp's
   documented advice is the physical cores). Everything else at its default (flash attention `auto`,
-  `-b 2048 -ub 512`, mmap). With `--parallel 32` each slot has a 32nd of the context.
+  `-b 2048 -ub 512`, mmap, one KV buffer per slot). With `--parallel 32` each slot has a 32nd of the
+  context, rounded up to 256 cells (capped at the model's context): the KV cache is allocated whole at
+  start, 32 × 256 cells for the usual 16 + 128 tokens, and counts in the peak RSS.
 - Each request: `POST /completion` `{"prompt": [ids], "n_predict": N, "ignore_eos": true,
   "samplers": ["top_k"], "top_k": 1, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": false,
   "stream": true}`. A prompt of token ids gets no BOS (llama.cpp adds one only to a text prompt);
