@@ -210,6 +210,7 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
     for s in systems:
         why = unavailable(s, model)
         if why is None:
+            log(f"  {s.key}: its model")
             try:
                 convert(s, model)
             except Exception as e:  # a converter that fails is a peer that cannot run here
