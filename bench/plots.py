@@ -87,7 +87,7 @@ def compare_plot(result: dict, out: Path) -> Path:
             ax.set_xlabel("generated tokens/s", fontsize=8)
             ax.grid(axis="x", alpha=0.3)
     fig.suptitle("Same weights, same prompts, same greedy tokens, one interleaved run", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # room for the title above the panels
     path = out / "compare.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
