@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from export.variants import INT8
+from export.variants import INT4, INT8
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from service.runtime.bundle import (
@@ -24,14 +24,18 @@ from service.runtime.bundle import (
 )
 from service.runtime.tokenizer import Tokenizer
 
-GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx", "fp32": "model.onnx",
-               "optimized": "model.opt.onnx", "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
-STATIC_VARIANTS = ("static", "static-int8")
+GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx",
+               "static-int4": "model.static.int4.onnx", "fp32": "model.onnx", "optimized": "model.opt.onnx",
+               "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+STATIC_VARIANTS = ("static", "static-int8", "static-int4")
 # weight precision of each variant; the others are float32
-WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "int8": INT8.weights, "fp16": "float16"}
+WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "static-int4": INT4.weights,
+                                       "int8": INT8.weights, "fp16": "float16"}
 DESCRIPTIONS = {
     "static": "the serving graph: fp32, GroupQueryAttention over a fixed KV buffer updated in place",
     "static-int8": "the serving graph with dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",
+    "static-int4": f"the serving graph with 4-bit MatMulNBits weights (block {INT4.block_size}, int8 activations: "
+                   "exact integer products on every CPU), for CPU: the fewest bytes read per token",
     "fp32": "the exported decoder, fp32",
     "optimized": "fp32 with onnxruntime's transformer fusions",
     "int8": "dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",

@@ -1,7 +1,7 @@
 """`attnserve export <model dir> -o <bundle dir>`: write, verify and derive an ONNX bundle.
 
     attnserve export models/shakespeare -o models/shakespeare-onnx --verify
-    attnserve export models/shakespeare -o /tmp/bundle --optimize --int8 --fp16 --verify
+    attnserve export models/shakespeare -o /tmp/bundle --optimize --int8 --int4 --fp16 --verify
 
 Every bundle holds the serving graph (`static`: a fixed KV buffer updated in place, the default)
 and the standard graph with a Concat cache (`fp32`, or `optimized`), which other ONNX tools
@@ -26,7 +26,7 @@ from export.bundle_writer import (
 )
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
-from export.variants import INT8, convert_fp16, node_count, optimize, quantize
+from export.variants import INT4, INT8, convert_fp16, node_count, optimize, quantize
 from model.checkpoint import load_model_dir
 from service.runtime.bundle import sha256_file, write_manifest
 
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--optimize", action="store_true", help="also write the standard graph with fusions applied")
     p.add_argument("--int8", action="store_true", help="also write INT8 graphs (CPU; exact on every x86-64 CPU)")
+    p.add_argument("--int4", action="store_true",
+                   help="also write the 4-bit serving graph (CPU; exact integer products on every x86-64 CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
     p.add_argument("--no-fp32", dest="keep_fp32", action="store_false",
                    help="leave out the standard fp32 graph (its fused or INT8 forms stay; smaller bundle)")
@@ -50,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, fp16: bool = False, keep_fp32: bool = True,
-                  default: str = "static") -> list[str]:
+                  optimized: bool = False, int8: bool = False, int4: bool = False, fp16: bool = False,
+                  keep_fp32: bool = True, default: str = "static") -> list[str]:
     """Write the bundle; returns the graph variants written."""
     if not keep_fp32 and not (optimized or int8 or fp16):
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
@@ -64,6 +66,9 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if int8:
         quantize(static, out / GRAPH_FILES["static-int8"], INT8)
         variants.append("static-int8")
+    if int4:
+        quantize(static, out / GRAPH_FILES["static-int4"], INT4)
+        variants.append("static-int4")
     if optimized:
         optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
         variants.append("optimized")
@@ -91,7 +96,8 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
-                             int8=args.int8, fp16=args.fp16, keep_fp32=args.keep_fp32, default=args.default)
+                             int8=args.int8, int4=args.int4, fp16=args.fp16, keep_fp32=args.keep_fp32,
+                             default=args.default)
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
     if not args.verify:

@@ -1,4 +1,5 @@
-"""Derived graphs: optimised (onnxruntime's transformer fusions), INT8 (dynamic quantisation), FP16.
+"""Derived graphs: optimised (onnxruntime's transformer fusions), INT8 (dynamic quantisation), INT4
+(blockwise `MatMulNBits`), FP16.
 
 Each takes the fp32 decoder written by `onnx_export` and writes a graph with the same inputs and
 outputs, so the runner serves any of them unchanged.
@@ -7,8 +8,9 @@ outputs, so the runner serves any of them unchanged.
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -53,10 +55,32 @@ QUANTIZATIONS = {q.name: q for q in (
     Quantization("nbits4-fp32", "int4", "blockwise", bits=4, accuracy_level=1),
     Quantization("nbits4-int8", "int4", "blockwise", bits=4, accuracy_level=4),
 )}
+BLOCK_SIZES = (16, 32, 64, 128)  # what `attnserve bench quantization` sweeps for the 4-bit candidates
+
+
+def quantization(name: str) -> Quantization:
+    """A candidate by name: one of QUANTIZATIONS, or a blockwise one with another block size, `<name>-b<size>`
+    (`nbits4-int8-b64`)."""
+    if name in QUANTIZATIONS:
+        return QUANTIZATIONS[name]
+    m = re.fullmatch(r"(.+)-b(\d+)", name)
+    if not m or m[1] not in QUANTIZATIONS or QUANTIZATIONS[m[1]].method != "blockwise":
+        raise ValueError(f"unknown quantization {name!r}: one of {sorted(QUANTIZATIONS)}, or a blockwise one "
+                         f"with '-b<block size>'")
+    block_size = int(m[2])
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"{name!r}: MatMulNBits takes block sizes that are powers of 2 from 16")
+    return replace(QUANTIZATIONS[m[1]], name=name, block_size=block_size)
+
+
 # what --int8 writes: u8s8 with 7-bit weights, whose pair sums fit AVX2's 16-bit intermediates, so every
 # CPU computes the same exact integer products (and VNNI and AMX keep their fast kernels); docs/onnx.md
 # has the measurements behind the choice
 INT8 = QUANTIZATIONS["u8s8-reduce-range"]
+# what --int4 writes: 4-bit symmetric blockwise weights, int8 activations (accuracy level 4). Its integer
+# products (0..15 times -127..127, summed in pairs and fours) fit 16 bits on AVX2 and are exact on every
+# kernel; docs/onnx.md has the argument and the block-size measurements
+INT4 = quantization("nbits4-int8-b32")
 
 
 def quantize(src: Path, dst: Path, q: Quantization = INT8) -> Path:

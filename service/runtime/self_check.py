@@ -112,8 +112,8 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None) -> Agreem
             f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
             f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
             f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
-            f"{reference.graph_name}, or "
-            f"re-export the bundle with a current 'attnserve export --int8', whose weights compute alike on every CPU")
+            f"{reference.graph_name}, or re-export the bundle with a current 'attnserve export "
+            f"--{_export_flag(runner)}', whose weights compute alike on every CPU")
     if not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
         raise BundleError(
             f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
@@ -126,7 +126,12 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None) -> Agreem
 
 def _saturation_note(runner: StaticRunner) -> str:
     on_avx2_alone = runner.provider == "CPUExecutionProvider" and not cpu_info().has_int8_dot
-    return "; without VNNI or AMX this CPU's u8s8 products saturate" if on_avx2_alone else ""
+    u8s8 = runner.spec.weights == "int8"  # 4-bit weights times int8 activations fit 16 bits on every kernel
+    return "; without VNNI or AMX this CPU's u8s8 products saturate" if on_avx2_alone and u8s8 else ""
+
+
+def _export_flag(runner: StaticRunner) -> str:
+    return {"int4": "int4", "float16": "fp16"}.get(runner.spec.weights, "int8")
 
 
 def open_reference(runner: StaticRunner) -> StaticRunner:
