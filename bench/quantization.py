@@ -1,14 +1,19 @@
 """`attnserve bench quantization`: which reduced-precision format stays right on every CPU.
 
     attnserve bench quantization [--bundle models/shakespeare-onnx] [--quick] [--emulate Haswell]
+    attnserve bench quantization --gpt2-shape --candidates u8s8-reduce-range,nbits4-int8 --block-sizes 32,64
 
 Every candidate of `export.variants.QUANTIZATIONS` is written from the bundle's fp32 serving graph
-and measured against it, on this CPU:
+and measured against it, on this CPU; each 4-bit one once per block size of `--block-sizes` (named
+`nbits4-int8-b64` and so on, as `export.variants.quantization` reads them):
 - held-out bits/char: the held-out plays scored as training scores them (`model.scoring`);
 - greedy agreement: 16 prompts cut from the held-out text, 64 greedy tokens each; how many of the
   continuations are identical to fp32's, and the mean number of tokens before the first difference;
 - top-1 agreement on the start-up self-check's probe (`service.runtime.self_check`);
-- decode step time at batch 1 and 32 against fp32, in interleaved rounds, medians.
+- decode step time at batch 1 and 32 against fp32, in interleaved rounds, medians;
+- batch 1 against the memory-bandwidth bound: tokens/s, the bytes of weights a step reads
+  (`bench.roofline.weight_bytes_per_token`) and the tokens/s this machine's read bandwidth
+  (`bench.bandwidth.read_bandwidth`, measured in the same run) allows for them, as a percentage.
 
 `--gpt2-shape` measures speed alone, on random weights of GPT-2 124M's shape (12 layers, 768 wide,
 50257 tokens, 1024 context), where batch 1 is bound by reading the weights as in real deployments
@@ -35,8 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bandwidth import read_bandwidth
 from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish
 from bench.onnx_variants import held_out_bits_per_char, held_out_ids
+from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import read_manifest, write_manifest
 from service.runtime.graph_choice import decode_step_ms
@@ -51,7 +58,7 @@ GPT2_SHAPE = dict(vocab_size=50257, n_ctx=1024, n_layer=12, n_head=12, d_model=7
 
 def candidate_bundle(bundle: Path, out: Path, names: list[str]) -> list[str]:
     """A bundle in `out` holding the fp32 serving graph (as REFERENCE) and each candidate quantisation."""
-    from export.variants import QUANTIZATIONS, quantize
+    from export.variants import quantization, quantize
 
     manifest = read_manifest(bundle)
     name, spec = next((n, s) for n, s in manifest.graphs.items() if s.cache == "static" and s.weights == "float32")
@@ -60,8 +67,8 @@ def candidate_bundle(bundle: Path, out: Path, names: list[str]) -> list[str]:
     shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
     graphs = {REFERENCE: spec.model_copy(update={"file": "fp32.onnx"})}
     for q in names:
-        quantize(bundle / spec.file, out / f"{q}.onnx", QUANTIZATIONS[q])
-        graphs[q] = spec.model_copy(update={"file": f"{q}.onnx", "weights": QUANTIZATIONS[q].weights,
+        quantize(bundle / spec.file, out / f"{q}.onnx", quantization(q))
+        graphs[q] = spec.model_copy(update={"file": f"{q}.onnx", "weights": quantization(q).weights,
                                             "description": f"candidate {q}"})
     manifest.graphs, manifest.default_graph = graphs, REFERENCE
     write_manifest(out, manifest)
@@ -119,6 +126,27 @@ def measure_speed(bundle: Path, graphs: list[str], quick: bool, threads: int) ->
     return {g: {f"decode_ms_b{b}": statistics.median(samples[g, b]) for b in BATCHES} for g in graphs}
 
 
+def roofline(bundle: Path, rows: dict[str, dict], gb_per_s: float) -> None:
+    """Add each graph's batch-1 tokens/s, its bytes read per token and the bound they give at `gb_per_s`."""
+    manifest = read_manifest(bundle)
+    for g, row in rows.items():
+        row["bytes_per_token"] = weight_bytes_per_token(bundle / manifest.graphs[g].file)
+        row["tokens_per_s_b1"] = 1000 / row["decode_ms_b1"]
+        row["bound_tokens_per_s"] = bound_tokens_per_s(row["bytes_per_token"], gb_per_s)
+
+
+def expand_block_sizes(names: list[str], block_sizes: list[int]) -> list[str]:
+    """Each 4-bit candidate named without a block size, once per block size."""
+    from export.variants import QUANTIZATIONS, quantization
+
+    out = []
+    for name in names:
+        q = quantization(name)
+        sweep = name in QUANTIZATIONS and q.method == "blockwise" and q.bits == 4 and block_sizes
+        out += [f"{name}-b{b}" for b in block_sizes] if sweep else [name]
+    return out
+
+
 def emulated_quality(bundle: Path, graphs: list[str], cpu: str, held_out: tuple[np.ndarray, int]) -> dict[str, dict]:
     """measure_quality under `qemu-x86_64 -cpu <cpu>`, in a child process, on the EMULATED subset
     (the held-out ids are handed over: tokenizing under emulation would take minutes)."""
@@ -135,11 +163,14 @@ def emulated_quality(bundle: Path, graphs: list[str], cpu: str, held_out: tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export.variants import QUANTIZATIONS
+    from export.variants import BLOCK_SIZES, INT4, INT8, QUANTIZATIONS
 
     p = argparse.ArgumentParser(prog="attnserve bench quantization", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     p.add_argument("--candidates", default=",".join(QUANTIZATIONS), help="comma-separated, from export.variants")
+    p.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)),
+                   help="block sizes each 4-bit candidate is measured at (empty: as named, block 32)")
+    p.add_argument("--bandwidth-mb", type=int, default=1000, help="array size of the read-bandwidth probe, MB")
     p.add_argument("--quick", action="store_true", help="a few windows, prompts and steps: checks that it runs")
     p.add_argument("--gpt2-shape", action="store_true", help="speed only, on random weights of GPT-2 124M's shape")
     p.add_argument("--emulate", metavar="CPU", help="also measure quality under qemu-x86_64 -cpu CPU (e.g. Haswell)")
@@ -166,17 +197,21 @@ def main(argv: list[str] | None = None) -> int:
 
             source = random_bundle(args.bundle, Path(tmp) / "gpt2-shape", **GPT2_SHAPE)
         work = Path(tmp) / "candidates"
-        graphs = candidate_bundle(source, work, args.candidates.split(","))
+        block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
+        graphs = candidate_bundle(source, work, expand_block_sizes(args.candidates.split(","), block_sizes))
         held_out = held_out_ids(StaticRunner(work, REFERENCE, provider="cpu").tokenizer)
         rows = {g: {} for g in graphs} if args.gpt2_shape else measure_quality(
             work, graphs, args.threads, held_out, **(QUICK if args.quick else FULL))
         for g, speed in measure_speed(work, graphs, args.quick, args.threads).items():
             rows[g].update(speed)
+        gb_per_s = read_bandwidth(args.bandwidth_mb, 3 if args.quick else 5)
+        roofline(work, rows, gb_per_s)
         emulated = emulated_quality(work, graphs, args.emulate, held_out) if args.emulate else None
     machine = describe()
     model = "random weights, GPT-2 124M shape" if args.gpt2_shape else read_manifest(args.bundle).model.name
     run = {"machine": machine, "model": model, "quick": args.quick,
            "command": "attnserve bench quantization" + (" " + " ".join(argv) if argv else ""), "rows": rows,
+           "read_gb_per_s": gb_per_s, "exported": {"--int8": INT8.name, "--int4": INT4.name},
            "emulated": {"cpu": args.emulate, "rows": emulated} if emulated else None}
     print(render_run(run))
     if args.no_write:
@@ -197,19 +232,31 @@ QUALITY = (("held-out bits/char", lambda r, ref: f"{r['bits_per_char']:.4f}"),
 SPEED = tuple((f"{label}, batch {b}", fn) for b in BATCHES for label, fn in (
     ("decode ms", lambda r, ref, b=b: f"{r[f'decode_ms_b{b}']:.2f}"),
     ("× fp32", lambda r, ref, b=b: f"{ref[f'decode_ms_b{b}'] / r[f'decode_ms_b{b}']:.2f}×")))
+ROOFLINE = (("weights read per token, MB", lambda r, ref: f"{r['bytes_per_token'] / 1e6:.1f}"),
+            ("tokens/s, batch 1", lambda r, ref: f"{r['tokens_per_s_b1']:.1f}"),
+            ("bandwidth bound, tokens/s", lambda r, ref: f"{r['bound_tokens_per_s']:.1f}"),
+            ("% of bound", lambda r, ref: f"{100 * r['tokens_per_s_b1'] / r['bound_tokens_per_s']:.0f}%"))
 
 
-def table(rows: dict[str, dict], columns) -> list[str]:
+def table(rows: dict[str, dict], columns, exported: dict[str, str] | None = None) -> list[str]:
     ref = rows[REFERENCE]
+    written_by = {name: flag for flag, name in (exported or {}).items()}
     lines = ["| graph | " + " | ".join(label for label, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    return lines + [f"| `{g}` | " + " | ".join(fn(r, ref) for _, fn in columns) + " |" for g, r in rows.items()]
+    return lines + [f"| `{g}`{f' ({written_by[g]})' if g in written_by else ''} | "
+                    + " | ".join(fn(r, ref) for _, fn in columns) + " |" for g, r in rows.items()]
 
 
 def render_run(run: dict) -> str:
     quality = "bits_per_char" in run["rows"][REFERENCE]
     lines = [f"#### {machine_line(run['machine'])}; {run['model']}", "", f"`{run['command']}`"
              + (" (quick run: a subset, not a measurement)" if run["quick"] else "") + ".", ""]
-    lines += table(run["rows"], (QUALITY if quality else ()) + SPEED)
+    lines += table(run["rows"], (QUALITY if quality else ()) + SPEED, run.get("exported"))
+    if "read_gb_per_s" in run:
+        lines += ["", f"Batch 1 against the memory-bandwidth bound: read bandwidth {run['read_gb_per_s']:.1f} GB/s "
+                      "(`bench.bandwidth.read_bandwidth`, every core, measured in the same run) over the bytes of "
+                      "weights a step reads (`bench.roofline.weight_bytes_per_token`: every initializer but the "
+                      "gathered embeddings and rotary tables).", ""]
+        lines += table(run["rows"], ROOFLINE, run.get("exported"))
     if run.get("emulated"):
         em = run["emulated"]
         lines += ["", f"The same graphs under `qemu-x86_64 -cpu {em['cpu']}` on this machine (quality only, on a "
