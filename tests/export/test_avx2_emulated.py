@@ -4,7 +4,8 @@ onnxruntime picks its integer matmul kernel from CPUID at run time. Under qemu's
 emulation of a Haswell it sees AVX2 without VNNI, AVX-512 or AMX, and takes the kernel whose u8s8
 pair sums saturate, even on a host that has VNNI. The child process below proves it took that path
 (a product that saturates there and nowhere else), then runs the start-up self-check of the
-shipped bundle's INT8 serving graph: the graph must stay right on such a CPU too.
+shipped bundle's INT8 serving graph, and of the shipped model's 4-bit graph (whose int8-activation
+kernel for AVX2 is another than for AVX-512): each must stay right on such a CPU too.
 
 qemu-user is installed with apt-get when it is missing and this runs as root; CI fails without it.
 """
@@ -45,7 +46,7 @@ CHILD = textwrap.dedent("""
 
     from service.runtime.static_runner import StaticRunner
     from service.runtime.self_check import check
-    result = check(StaticRunner(sys.argv[1], "static-int8", provider="cpu", intra_op_threads=1))
+    result = check(StaticRunner(sys.argv[1], sys.argv[2], provider="cpu", intra_op_threads=1))
     print(json.dumps({"product": product, "top1": result.top1, "positions": result.positions}))
 """)
 
@@ -70,9 +71,21 @@ def qemu() -> str:
 
 @pytest.mark.slow
 def test_int8_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu):
-    out = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", CHILD, str(BUNDLE)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=600)
+    result = self_check_on_haswell(qemu, BUNDLE, "static-int8")
+    assert result["top1"] >= MIN_AGREEMENT["int8"] and result["positions"] >= 256
+
+
+@pytest.mark.slow
+@pytest.mark.needs_torch(reason="exports the shipped model's 4-bit graph with torch")
+def test_int4_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu, shipped_int4_bundle):
+    result = self_check_on_haswell(qemu, shipped_int4_bundle, "static-int4")
+    assert result["top1"] >= MIN_AGREEMENT["int4"] and result["positions"] >= 256
+
+
+def self_check_on_haswell(qemu: str, bundle: Path, graph: str) -> dict:
+    out = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", CHILD, str(bundle), graph],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["product"] == 32 * 32767, "the emulated CPU did not take the AVX2 (saturating) kernel"
-    assert result["top1"] >= MIN_AGREEMENT["int8"] and result["positions"] >= 256
+    return result
