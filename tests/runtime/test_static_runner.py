@@ -51,9 +51,14 @@ def test_kv_capacity_follows_the_memory_budget(tiny_bundle, caplog):
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         plan_slots(shape, 64, shape.bytes_per_slot - 1)
     caplog.set_level("INFO", logger="service.engine.core")
-    engine = Engine(EngineConfig(bundle=tiny_bundle, max_running=32, kv_cache_bytes=5 * shape.bytes_per_slot))
+    engine = Engine(EngineConfig(bundle=tiny_bundle, max_running=32, kv_cache_bytes=5 * shape.bytes_per_slot,
+                                 prefix_caching=False))
     assert engine.kv.n_slots == 5 and engine.kv.nbytes == 5 * shape.bytes_per_slot
     assert f"({5 * shape.bytes_per_slot} bytes)" in caplog.text  # reported at start-up, in bytes
+    # the prefix cache (4 contexts by default) comes out of the same budget, and is reported beside it
+    engine = Engine(EngineConfig(bundle=tiny_bundle, max_running=32, kv_cache_bytes=9 * shape.bytes_per_slot))
+    assert engine.prefixes.nbytes == 4 * shape.bytes_per_slot and engine.kv.n_slots == 5
+    assert f"prefix cache: {4 * shape.max_seq // 16} blocks x 16 positions" in caplog.text
 
 
 def test_config_rejects_a_budget_with_no_room_for_prefill(engine_bundle):
