@@ -68,9 +68,12 @@ SEED = 0
 # norm of a random model's token and position embeddings (std EMBEDDING_NORM / sqrt(d_model)); through the tied
 # head, the std of its logits
 EMBEDDING_NORM = 4.0
-QK_GAIN = 2.5  # query and key weights QK_GAIN / sqrt(fan_in): attention scores of std about QK_GAIN²
-# max |Δlogits| of the fp32 serving graph against PyTorch: fp32 rounding, amplified by the sharp attention
-# (at 124M, PyTorch fp32 against float64: 5.7e-4 at most, 4.6e-5 on average; logits of std 4)
+# query and key weights QK_GAIN / sqrt(fan_in): attention scores of std about QK_GAIN². Sharper attention makes
+# the output depend on the context (below 2.5 the 12-layer GPT falls into short loops), but it also amplifies
+# rounding (at 2.5 the 30-layer Llama's fp32 logits are 7e-4 from float64 on average), so the deeper model gets less
+QK_GAIN = {"gpt2-124m": 2.5, "smollm2-135m": 1.5}
+# max |Δlogits| of a random model's fp32 serving graph against PyTorch: fp32 rounding, amplified by the sharp
+# attention (PyTorch fp32 against float64, logits of std 4: 5.7e-4 at most at 124M, 1.6e-4 at 135M)
 VERIFY_TOL = 2e-3
 BIAS_STD = 0.02
 MIN_DISTINCT = 16  # fewest distinct tokens a random model must produce in 128 greedy ones, in every row
@@ -108,22 +111,25 @@ class Liveliness:
     min_margin: float  # the smallest such margin
 
 
-def prepare(size: str, work: Path, int4: bool = True, shape: dict | None = None) -> Prepared:
+def prepare(size: str, work: Path, int4: bool = True, shape: dict | None = None,
+            qk_gain: float | None = None) -> Prepared:
     """Build (or reuse, if already in `work`) the model of this size.
 
-    `shape` overrides GPTConfig fields of a random size (the tests build tiny ones); the shipped model
-    takes none. `int4` asks for the "static-int4" graph too, when `export_bundle` can write it."""
+    `shape` overrides GPTConfig fields of a random size and `qk_gain` its QK_GAIN (the tests build tiny
+    models, which need sharper attention than the real sizes to stay lively); the shipped model takes
+    neither. `int4` asks for the "static-int4" graph too, when `export_bundle` can write it."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; the sizes are {SIZES}")
-    if size == "shipped" and shape:
-        raise ValueError("the shipped model has its own shape; `shape` overrides only a random size")
+    if size == "shipped" and (shape or qk_gain):
+        raise ValueError("the shipped model has its own weights; `shape` and `qk_gain` apply to a random size")
     from model.config import GPTConfig
 
     root = Path(work) / size
     model_dir = SHIPPED_MODEL if size == "shipped" else root / "model"
     config = GPTConfig.load(SHIPPED_MODEL / "config.json") if size == "shipped" else GPTConfig(
         **{**SHAPES[size], **(shape or {})})
-    want = {"size": size, "recipe": RECIPE, "seed": SEED, "config": config.to_dict(), "int4": int4 and int4_supported()}
+    want = {"size": size, "recipe": RECIPE, "seed": SEED, "qk_gain": qk_gain or QK_GAIN.get(size),
+            "config": config.to_dict(), "int4": int4 and int4_supported()}
     if size == "shipped":
         want["weights_sha256"] = sha256_file(SHIPPED_MODEL / "model.safetensors")
     stamp = read_stamp(root / STAMP)
@@ -144,7 +150,7 @@ def build(size: str, config, root: Path, model_dir: Path, want: dict) -> dict:
         shutil.rmtree(root)
     root.mkdir(parents=True)
     if size != "shipped":
-        save_model_dir(random_model(config), bpe_tokenizer(config.vocab_size), model_dir,
+        save_model_dir(random_model(config, want["qk_gain"]), bpe_tokenizer(config.vocab_size), model_dir,
                        metadata={"source": f"random-{size}"})
     model, _ = load_model_dir(model_dir)
     lively = liveliness(model)
@@ -176,7 +182,7 @@ def write_bundle(model_dir: Path, out: Path, name: str, int4: bool) -> list[str]
     return export_bundle(model_dir, out, name=name, int8=True, keep_fp32=False, **extra)
 
 
-def random_model(config, seed: int = SEED):
+def random_model(config, qk_gain: float, seed: int = SEED):
     """A GPT of `config` with lively random weights (see the module docstring), in eval mode."""
     import torch
 
@@ -193,7 +199,7 @@ def random_model(config, seed: int = SEED):
             elif p.dim() == 2:  # a Linear weight, (out, in)
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
                 if name.endswith("qkv_proj.weight"):
-                    p[:queries_and_keys] *= QK_GAIN
+                    p[:queries_and_keys] *= qk_gain
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
     return model

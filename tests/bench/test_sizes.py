@@ -17,6 +17,7 @@ from model.checkpoint import load_model_dir  # noqa: E402
 from service.runtime.bundle import read_manifest  # noqa: E402
 from service.runtime.static_runner import StaticRunner  # noqa: E402
 
+TINY_QK_GAIN = 2.5  # a few narrow layers need sharper attention than the real sizes to decode varied tokens
 TINY = {  # the random sizes at a shape that builds and exports in seconds
     "gpt2-124m": dict(vocab_size=1024, n_ctx=128, n_layer=3, n_head=4, d_model=64),
     "smollm2-135m": dict(vocab_size=1024, n_ctx=128, n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=96),
@@ -31,7 +32,7 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(TINY))
 def prepared(request, work) -> Prepared:
-    return prepare(request.param, work, shape=TINY[request.param])
+    return prepare(request.param, work, shape=TINY[request.param], qk_gain=TINY_QK_GAIN)
 
 
 def test_a_prepared_size_describes_its_model(prepared):
@@ -86,18 +87,19 @@ def test_random_weights_decode_varied_tokens_with_clear_margins(prepared):
 def test_a_prepared_size_is_reused_until_its_shape_changes(prepared, work):
     weights = prepared.model_dir / "model.safetensors"
     built = weights.stat().st_mtime_ns
-    again = prepare(prepared.size, work, shape=TINY[prepared.size])
+    again = prepare(prepared.size, work, shape=TINY[prepared.size], qk_gain=TINY_QK_GAIN)
     assert again == prepared and weights.stat().st_mtime_ns == built
-    other = prepare(prepared.size, work / "other", shape={**TINY[prepared.size], "layer_norm_eps": 1e-6})
+    other = prepare(prepared.size, work / "other", shape={**TINY[prepared.size], "layer_norm_eps": 1e-6},
+                    qk_gain=TINY_QK_GAIN)
     assert json.loads((other.model_dir / "config.json").read_text())["layer_norm_eps"] == 1e-6
 
 
 def test_a_collapsing_initialisation_is_refused(work, monkeypatch):
     from model.gpt import GPT
 
-    monkeypatch.setattr(sizes, "random_model", lambda config: GPT(config).eval())  # std 0.02: repeats itself
+    monkeypatch.setattr(sizes, "random_model", lambda config, qk_gain: GPT(config).eval())  # std 0.02: repeats itself
     with pytest.raises(RuntimeError, match="collapses under greedy decoding"):
-        prepare("gpt2-124m", work / "collapsing", shape=TINY["gpt2-124m"])
+        prepare("gpt2-124m", work / "collapsing", shape=TINY["gpt2-124m"], qk_gain=TINY_QK_GAIN)
 
 
 def test_liveliness_counts_distinct_tokens_per_row():
