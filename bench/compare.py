@@ -214,7 +214,7 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
             try:
                 convert(s, model)
             except Exception as e:  # a converter that fails is a peer that cannot run here
-                why = f"conversion failed: {str(e).strip().splitlines()[-1][:200]}"
+                why = f"conversion failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}"
         if why is None:
             active.append(s)
         else:
@@ -229,8 +229,8 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
             try:
                 r = measure(s, model, spec, spec_path)
             except Exception as e:
-                notes.append(f"{size}: {s.key} failed in round {rnd + 1} and was dropped: "
-                             f"{str(e).strip().splitlines()[0][:300]}")
+                why = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+                notes.append(f"{size}: {s.key} failed in round {rnd + 1} and was dropped: {why}")
                 log(f"  {s.key} failed: {e}")
                 results.pop(s.key)
                 continue

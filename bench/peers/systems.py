@@ -149,8 +149,9 @@ def measure(system: System, model: Model, spec: dict, spec_path: Path) -> dict:
 
 def run(cmd: list[str], system: System, expect_result: bool = True) -> dict | None:
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"{system.key} failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    if done.returncode != 0:  # the first line says why (the last of its error output), then the details
+        why = next((line.strip() for line in reversed(done.stderr.splitlines()) if line.strip()), "no error output")
+        raise RuntimeError(f"exit status {done.returncode}: {why}\n{' '.join(cmd)}\n{done.stderr[-3000:]}")
     if not expect_result:
         return None
     lines = done.stdout.strip().splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -146,3 +147,10 @@ def test_a_quick_run_measures_attnserve_and_skips_a_missing_peer_in_one_line(tmp
     assert keys["attnserve:fp32"]["exact_rows"] == 32 and keys["attnserve-grpc:fp32"]["exact_rows"] == 32
     assert all(row["peak_rss_bytes"] > 0 and row["streams_tokens_per_s"] > 0 for row in r["rows"])
     assert (out / "compare.png").is_file()
+
+
+def test_a_failing_system_says_why_in_the_first_line_of_its_error():
+    with pytest.raises(RuntimeError) as failed:
+        systems.run([sys.executable, "-c", "import sys; print('noise', file=sys.stderr); sys.exit('the reason')"],
+                    SYSTEMS[0])
+    assert str(failed.value).splitlines()[0] == "exit status 1: the reason"
