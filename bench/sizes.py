@@ -162,7 +162,8 @@ def build(size: str, config, root: Path, model_dir: Path, want: dict) -> dict:
     report = verify_static(model, root / "bundle", "static", tol=1e-4 if size == "shipped" else VERIFY_TOL)
     if not report.passed:
         raise RuntimeError(f"the {size} bundle's static graph differs from PyTorch:\n{report.format()}")
-    stamp = {**want, "parameters": model.num_parameters(), "graphs": graphs, "liveliness": asdict(lively)}
+    stamp = {**want, "parameters": model.num_parameters(), "graphs": graphs, "liveliness": asdict(lively),
+             "static_max_abs_diff": {c.name: c.max_abs_diff for c in report.checks}}
     (root / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
     return stamp
 

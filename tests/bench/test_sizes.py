@@ -42,7 +42,8 @@ def test_a_prepared_size_describes_its_model(prepared):
     ours, tok = load_model_dir(prepared.model_dir)
     assert prepared.parameters == ours.num_parameters()
     assert tok.vocab_size == prepared.vocab_size
-    assert set(read_manifest(prepared.bundle).graphs) >= {"static", "static-int8"}
+    graphs = set(read_manifest(prepared.bundle).graphs)
+    assert graphs >= {"static", "static-int8"} | ({"static-int4"} if sizes.int4_supported() else set())
 
 
 def test_transformers_loads_the_hf_directory_with_our_logits(prepared):
@@ -61,8 +62,10 @@ def test_transformers_loads_the_hf_directory_with_our_logits(prepared):
         assert (hf(ids).logits - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("graph", ["static", "static-int8"])
+@pytest.mark.parametrize("graph", ["static", "static-int8", "static-int4"])
 def test_the_bundle_runs_and_agrees_with_pytorch(prepared, graph):
+    if graph not in read_manifest(prepared.bundle).graphs:
+        pytest.skip(f"export_bundle writes no {graph} graph")
     ours, _ = load_model_dir(prepared.model_dir)
     runner = StaticRunner(prepared.bundle, graph, provider="cpu")
     runner.attach(runner.cache_shape.buffers(1))
@@ -72,8 +75,8 @@ def test_the_bundle_runs_and_agrees_with_pytorch(prepared, graph):
         want = ours(torch.tensor([prompt]))[0, -1].numpy()
     if graph == "static":
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    else:  # 8-bit weights and activations move the logits, not their shape
-        assert np.corrcoef(got, want)[0, 1] > 0.9
+    else:  # fewer bits move the logits, not their shape; 4-bit blocks move this sharp-attention model's far
+        assert np.corrcoef(got, want)[0, 1] > (0.9 if graph == "static-int8" else 0.5)
 
 
 def test_random_weights_decode_varied_tokens_with_clear_margins(prepared):
