@@ -15,8 +15,8 @@ COMMANDS = {
     "health": ("service.client.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
     "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
-    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 checkpoint"),
-    "export-hf": ("model.export_hf", "write a model directory as a Hugging Face GPT-2 directory"),
+    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 or Llama-family checkpoint"),
+    "export-hf": ("model.export_hf", "write a model directory as a Hugging Face GPT-2 or Llama directory"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
     "bench": ("bench.cli", "run a benchmark (engine, serve, compare, ...) and record it in docs/BENCHMARKS.md"),
 }
