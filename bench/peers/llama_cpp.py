@@ -50,7 +50,7 @@ the server's figure, with
 `-ntg N−1` because the prefill already yields the first token (N − 1 decode steps make N tokens);
 its own S_TG (decode only, (N−1)·B / T_TG) is kept beside it as `s_tg_tokens_per_s`. It has no TTFT
 and no token ids (None), prefills random tokens of the prompts' length, and samples nothing.
-Peak RSS is the child's `ru_maxrss`.
+Peak RSS is the process's VmHWM, read from `/proc/<pid>/status` every 20 ms while it runs.
 
 **Traps, and what is done about each.**
 
@@ -340,8 +340,7 @@ class LlamaServer:
         raise RuntimeError(f"llama-server was not ready after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log}")
 
     def peak_rss_bytes(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+        return vm_hwm_bytes(self.proc.pid)
 
     def __exit__(self, *exc) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -379,13 +378,25 @@ def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
     rows_file = log.with_suffix(".jsonl")
     with rows_file.open("w") as rows_out, log.open("w") as log_out:
         proc = subprocess.Popen(cmd, stdout=rows_out, stderr=log_out, stdin=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: its ru_maxrss (kB)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        peak = 0  # its VmHWM, read while it runs: ru_maxrss would count the memory of this process it forked from
+        while proc.poll() is None:
+            peak = max(peak, vm_hwm_bytes(proc.pid))
+            time.sleep(0.02)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}); the end of {log}:\n"
                            f"{log.read_text()[-3000:]}")
     rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.startswith("{")]
-    return rows, usage.ru_maxrss * 1024
+    return rows, peak
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    """The process's peak resident memory so far, or 0 once it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(found.group(1)) * 1024 if found else 0
 
 
 def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 3) -> tuple[dict, int]:

@@ -98,9 +98,17 @@ def test_a_prepared_size_is_reused_until_its_shape_changes(prepared, work):
 
 
 def test_a_collapsing_initialisation_is_refused(work, monkeypatch):
+    import torch
+
     from model.gpt import GPT
 
-    monkeypatch.setattr(sizes, "random_model", lambda config, qk_gain: GPT(config).eval())  # std 0.02: repeats itself
+    def one_token(config, init):  # no token embedding, so through the tied head every logit is 0: id 0 forever
+        model = GPT(config).eval()
+        with torch.no_grad():
+            model.tok_emb.weight.zero_()
+        return model
+
+    monkeypatch.setattr(sizes, "random_model", one_token)
     with pytest.raises(RuntimeError, match="collapses under greedy decoding"):
         prepare("gpt2-124m", work / "collapsing", shape=TINY["gpt2-124m"], qk_gain=TINY_QK_GAIN)
 
