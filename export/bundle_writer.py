@@ -33,12 +33,12 @@ WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "static-int4
                                        "int8": INT8.weights, "fp16": "float16"}
 DESCRIPTIONS = {
     "static": "the serving graph: fp32, GroupQueryAttention over a fixed KV buffer updated in place",
-    "static-int8": "the serving graph with dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",
+    "static-int8": "the serving graph with dynamic INT8 MatMuls (7-bit weights: no saturation on any CPU), for CPU",
     "static-int4": f"the serving graph with 4-bit MatMulNBits weights (block {INT4.block_size}, int8 activations: "
                    "exact integer products on every CPU), for CPU: the fewest bytes read per token",
     "fp32": "the exported decoder, fp32",
     "optimized": "fp32 with onnxruntime's transformer fusions",
-    "int8": "dynamic INT8 MatMuls (7-bit weights: exact on every CPU), for CPU",
+    "int8": "dynamic INT8 MatMuls (7-bit weights: no saturation on any CPU), for CPU",
     "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
 }
 

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--optimize", action="store_true", help="also write the standard graph with fusions applied")
-    p.add_argument("--int8", action="store_true", help="also write INT8 graphs (CPU; exact on every x86-64 CPU)")
+    p.add_argument("--int8", action="store_true", help="also write INT8 graphs (CPU; no saturation on any x86-64 CPU)")
     p.add_argument("--int4", action="store_true",
                    help="also write the 4-bit serving graph (CPU; exact integer products on every x86-64 CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")

@@ -73,12 +73,12 @@ def quantization(name: str) -> Quantization:
     return replace(QUANTIZATIONS[m[1]], name=name, block_size=block_size)
 
 
-# what --int8 writes: u8s8 with 7-bit weights, whose pair sums fit AVX2's 16-bit intermediates, so every
-# CPU computes the same exact integer products (and VNNI and AMX keep their fast kernels); docs/onnx.md
-# has the measurements behind the choice
+# what --int8 writes: u8s8 with 7-bit weights, whose pair sums fit AVX2's 16-bit intermediates, so no CPU
+# saturates them (and VNNI and AMX keep their fast kernels); the kernels still differ in rounding, by up to
+# a few percent of the largest logit (docs/onnx.md), which the start-up self-check bounds
 INT8 = QUANTIZATIONS["u8s8-reduce-range"]
 # what --int4 writes: 4-bit symmetric blockwise weights, int8 activations (accuracy level 4). Its integer
-# products (0..15 times -127..127, summed in pairs and fours) fit 16 bits on AVX2 and are exact on every
+# products (0..15 times -127..127, summed in pairs and fours) fit 16 bits on AVX2 and never saturate on any
 # kernel; docs/onnx.md has the argument and the block-size measurements
 INT4 = quantization("nbits4-int8-b32")
 
