@@ -73,11 +73,16 @@ class ServerProcess:
         return self.proc.pid
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
+
+
+def stop(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """SIGTERM a child server and wait for its drain; kill it if it outlasts `grace_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

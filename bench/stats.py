@@ -23,19 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between order statistics
-    (numpy's default method); NaN for no values."""
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile {q} is outside [0, 100]")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+from bench.peers.protocol import percentile
 
 
 @dataclass

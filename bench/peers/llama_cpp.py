@@ -90,7 +90,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -100,7 +99,8 @@ from pathlib import Path
 import httpx2
 
 from bench import workload
-from bench.server_process import free_port
+from bench.peers.protocol import peak_rss_bytes
+from bench.server_process import free_port, stop
 from bench.stats import RequestRecord, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,17 +340,10 @@ class LlamaServer:
         raise RuntimeError(f"llama-server was not ready after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log}")
 
     def peak_rss_bytes(self) -> int:
-        return vm_hwm_bytes(self.proc.pid)
+        return peak_rss_bytes(self.proc.pid)
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 def measure_server(bin_dir: Path, gguf: Path, spec: dict, threads: int, work: Path) -> dict:
@@ -380,7 +373,7 @@ def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
         proc = subprocess.Popen(cmd, stdout=rows_out, stderr=log_out, stdin=subprocess.DEVNULL)
         peak = 0  # its VmHWM, read while it runs: ru_maxrss would count the memory of this process it forked from
         while proc.poll() is None:
-            peak = max(peak, vm_hwm_bytes(proc.pid))
+            peak = max(peak, peak_rss_bytes(proc.pid))
             time.sleep(0.02)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}); the end of {log}:\n"
@@ -388,15 +381,6 @@ def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
     rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.startswith("{")]
     return rows, peak
 
-
-def vm_hwm_bytes(pid: int) -> int:
-    """The process's peak resident memory so far, or 0 once it has gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    found = re.search(r"VmHWM:\s+(\d+) kB", status)
-    return int(found.group(1)) * 1024 if found else 0
 
 
 def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 3) -> tuple[dict, int]:

@@ -24,6 +24,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 PRECISIONS = ("fp32", "f16", "int8", "q8_0", "q4_0", "int4")
@@ -38,8 +39,11 @@ def read_spec(path: str | Path) -> dict:
     return spec
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default), as bench.stats.percentile."""
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between order statistics
+    (numpy's default method); NaN for no values. `bench.stats` uses it too."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile {q} is outside [0, 100]")
     if not values:
         return math.nan
     ordered = sorted(values)
@@ -50,8 +54,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:
-    """VmHWM of a process (Linux): the most resident memory it has held."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """VmHWM of a process (Linux): the most resident memory it has held; 0 once it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
