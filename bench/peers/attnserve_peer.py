@@ -8,8 +8,10 @@ is its own: in-process, the VmHWM of this process (the engine and the bundle it 
 the VmHWM of the `attnserve serve` child (`bench.server_process.ServerProcess`), read before it stops.
 
 **Settings.** The graph is pinned (`--graph`), `max_running` = the 32 streams, `max_batch_tokens` =
-room for all 32 prompts in one prefill, onnxruntime threads = one per core (the default), prefix
-caching off (the rounds repeat the same prompts; llama.cpp runs with `cache_prompt: false` likewise).
+room for all 32 prompts in one prefill, `max_context` = the longest prompt plus the new tokens (each
+KV slot holds that many positions, as each llama.cpp slot holds its share of `-c`), onnxruntime
+threads = one per core (the default), prefix caching off (the rounds repeat the same prompts;
+llama.cpp runs with `cache_prompt: false` likewise).
 Greedy: temperature 0, `ignore_eos`, `min_new_tokens = max_new_tokens = N`.
 
 **What is timed.** In-process: the `Engine` stepped directly (no front, no event loop); batch 1 is one
@@ -34,10 +36,12 @@ MODES = ("in-process", "grpc")
 
 
 def limits(spec: dict) -> dict:
-    """max_running and max_batch_tokens: all streams at once, and all their prompts in one prefill."""
+    """max_running, max_batch_tokens and max_context: all streams at once, all their prompts in one
+    prefill, and slots as long as the longest prompt plus its new tokens."""
     streams = len(spec["streams"])
     prompt = max(len(p) for p in spec["streams"] + spec["single"])
-    return {"max_running": streams, "max_batch_tokens": max(512, streams * (prompt + 1))}
+    return {"max_running": streams, "max_batch_tokens": max(512, streams * (prompt + 1)),
+            "max_context": prompt + spec["new_tokens"]}
 
 
 # ---- in-process -----------------------------------------------------------------------------------
@@ -146,7 +150,8 @@ def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[list
 
     lim = limits(spec)
     args = ["serve", "--bundle", str(bundle), "--graph", graph, "--no-prefix-caching",
-            "--max-running", str(lim["max_running"]), "--max-batch-tokens", str(lim["max_batch_tokens"])]
+            "--max-running", str(lim["max_running"]), "--max-batch-tokens", str(lim["max_batch_tokens"]),
+            "--max-context", str(lim["max_context"])]
     with ServerProcess(args) as srv:
         rec, tokens = asyncio.run(grpc_rounds(srv.address, spec))
         rss = peak_rss_bytes(srv.pid)

@@ -174,6 +174,7 @@ class AsyncEngine:
         self.config = config
         e = self.engine
         self.model, self.tokenizer, self.limits = e.model, e.tokenizer, e.limits  # fixed for the engine's life
+        self.context = e.context  # positions per sequence: the model context or a shorter max_context
         self.runner = e.runner
         self.max_running = e.max_running
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -24,8 +24,11 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(256, ge=0, description="requests queued beyond max_running; more get RESOURCE_EXHAUSTED")
     max_batch_tokens: int = Field(
         512, ge=2, description="tokens per model step: one per running sequence plus prompt prefill")
+    max_context: int | None = Field(
+        None, ge=2, description="positions each KV cache slot holds: the longest prompt + completion served; "
+                                "unset = the model context (a smaller one reserves less memory per sequence)")
     kv_cache_bytes: int | None = Field(
-        None, ge=1, description="cap on KV cache memory; unset = max_running full-context slots")
+        None, ge=1, description="cap on KV cache memory; unset = max_running slots of max_context positions")
     prefix_caching: bool = Field(
         True, description="keep the keys and values of prompt prefixes for later requests that start with them")
     prefix_cache_tokens: int | None = Field(

@@ -25,7 +25,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -79,6 +79,15 @@ def plan_prefix_cache(shape: CacheShape, config: EngineConfig) -> PrefixCache | 
     return PrefixCache(shape, n_blocks, PREFIX_BLOCK_TOKENS) if n_blocks else None
 
 
+def served_context(config: EngineConfig, n_ctx: int) -> int:
+    """The positions each sequence may use: `config.max_context`, at most the model's `n_ctx`."""
+    if config.max_context is None:
+        return n_ctx
+    if config.max_context > n_ctx:
+        raise ValueError(f"max_context={config.max_context} exceeds the model context of {n_ctx} positions")
+    return config.max_context
+
+
 @dataclass
 class Ran:
     """What one model call gave: a logits row per sequence to sample, and the requests it failed."""
@@ -105,7 +114,8 @@ class Engine:
         # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
-        shape = self.runner.cache_shape
+        self.context = served_context(config, m.n_ctx)  # positions per sequence, prompt + completion
+        shape = replace(self.runner.cache_shape, max_seq=self.context)
         self.prefixes = plan_prefix_cache(shape, config)
         budget = config.kv_cache_bytes
         if budget is not None and self.prefixes is not None:
@@ -118,7 +128,7 @@ class Engine:
         self.runner.attach(self.kv.buffers)
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
-        self.limits = EngineLimits.of(config, m.n_ctx)
+        self.limits = EngineLimits.of(config, self.context)
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
@@ -148,7 +158,7 @@ class Engine:
     def new_request(self, request: GenerationRequest) -> RequestState:
         """Validate a request and build its state. Pure: reads only what never changes (the model,
         the limits, the tokenizer), so any thread may call it; `add` hands the state to the engine."""
-        request.validate(self.model.vocab_size, self.model.n_ctx, self.limits)
+        request.validate(self.model.vocab_size, self.context, self.limits)
         if request.n > self.max_running:
             raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.max_running} at once")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)

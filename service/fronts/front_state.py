@@ -67,7 +67,7 @@ class FrontState:
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.texts = TokenTexts(engine.tokenizer)
-        n_ctx = engine.model.n_ctx
+        n_ctx = engine.context  # the served context, which may be shorter than the model's
         longest = max(len(engine.tokenizer.decode([i])) for i in range(engine.model.vocab_size))
         # no longer text can tokenize to n_ctx tokens
         self.model = ModelFacts(engine.tokenizer, n_ctx, engine.limits, max_prompt_chars=n_ctx * max(longest, 1))

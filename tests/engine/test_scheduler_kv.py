@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.engine.errors import InvalidRequest
 from service.engine.kv_cache import KVCache, plan_slots
 from service.engine.sequence import Status
 from service.runtime.static_runner import CacheShape
@@ -322,3 +323,20 @@ def test_stats_report_the_engine_state(make_engine, engine_model):
     drive(engine)
     s = engine.stats()
     assert s.generated_tokens == 2 * 5 + 10 + 3 and s.kv_free_slots == 3 and s.running_requests == 0
+
+
+def test_max_context_shortens_every_slot_and_bounds_requests(make_engine):
+    full = make_engine(max_running=4)
+    short = make_engine(max_running=4, max_context=32)
+    assert short.context == 32 and short.kv.shape.max_seq == 32
+    assert short.kv.nbytes * full.context == full.kv.nbytes * 32
+    assert short.prefixes.nbytes * full.context == full.prefixes.nbytes * 32  # 4 contexts of the served length
+    assert short.limits.max_new_tokens == short.limits.max_prompt_tokens == 31
+    requests = [greedy(f"r{i}", [i + 1, 5, 9, 2], 20) for i in range(3)]
+    a, b = drive(full, requests), drive(short, requests)
+    for r in requests:  # the same tokens from the shorter slots
+        assert b.tokens(r.request_id) == a.tokens(r.request_id) and b.finish(r.request_id) == a.finish(r.request_id)
+    with pytest.raises(InvalidRequest, match="context of 32"):
+        short.new_request(greedy("long", list(range(1, 14)), 20))
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        make_engine(max_context=full.context + 1)

@@ -442,3 +442,15 @@ def test_the_server_never_answers_500_to_a_client_mistake(server):
             assert r.status_code < 500, (body, r.text)
             if r.status_code >= 400:
                 error_of(r)
+
+
+def test_a_shorter_served_context_is_reported_and_enforced_on_both_fronts(engine_bundle):
+    with ServerThread(settings(engine_bundle, http_port=free_port(), max_context=40)) as srv, \
+            oai(srv) as api, Client(srv.address, timeout_s=60) as grpc_client:
+        assert api.models.list().data[0].max_model_len == 40
+        assert grpc_client.model_info().context_tokens == 40
+        assert grpc_client.server_info().kv_free_tokens == srv.settings.max_running * 40
+        ok = api.completions.create(model="", prompt=[1, 2, 3], max_tokens=37, temperature=0)
+        assert ok.usage.completion_tokens <= 37
+        with pytest.raises(openai.BadRequestError, match="40"):
+            api.completions.create(model="", prompt=[1, 2, 3], max_tokens=38)

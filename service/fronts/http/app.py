@@ -338,7 +338,7 @@ class HttpFront:
     def _model_card(self) -> dict[str, Any]:
         engine = self.state.ready()
         return {"id": engine.model.name, "object": "model", "created": int(time.time() - (time.monotonic() -
-                self.state.started)), "owned_by": "attnserve", "max_model_len": engine.model.n_ctx}
+                self.state.started)), "owned_by": "attnserve", "max_model_len": engine.context}
 
     def _token_strings(self) -> TokenStrings:
         if self._tokens is None:
