@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="", help="only these (keys like ctranslate2:int8, or families; "
                                                  "default: all)")
     p.add_argument("--skip", default="", help="leave these out (keys or families)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every system, per size")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="interleaved rounds over every system, per size (two over the three sizes: an hour on 2 cores)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--singles", type=int, default=3, help="batch-1 prompts, run one after another")
