@@ -54,7 +54,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:
-    """VmHWM of a process (Linux): the most resident memory it has held; 0 once it has gone."""
+    """VmHWM of a process (Linux): the most resident memory it has held; 0 once it has exited."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -62,7 +62,7 @@ def peak_rss_bytes(pid: int | str = "self") -> int:
     for line in status.splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+    return 0  # an exited process not yet reaped keeps its status, without its memory
 
 
 class Recorder:
