@@ -89,14 +89,22 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from x; keys and values from context (cross) or from x (self). q (B, H, T, D); k and v
         (B, H_kv, T, D)."""
-        if context is None:
-            q, k, v = self.qkv_proj(x).split((self.d_inner, self.d_kv, self.d_kv), dim=-1)
-        else:
-            w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
-            q = F.linear(x, w[:n], None if b is None else b[:n])
-            k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(self.d_kv, dim=-1)
+        if context is not None:
+            return (self.project_q(x), *self.project_kv(context))
+        q, k, v = self.qkv_proj(x).split((self.d_inner, self.d_kv, self.d_kv), dim=-1)
         return (self._split_heads(q, self.n_head), self._split_heads(k, self.n_kv_head),
                 self._split_heads(v, self.n_kv_head))
+
+    def project_q(self, x: Tensor) -> Tensor:
+        """The queries alone, (B, H, T, D): cross-attention projects its keys and values once per source."""
+        w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
+        return self._split_heads(F.linear(x, w[:n], None if b is None else b[:n]), self.n_head)
+
+    def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of `context`, each (B, H_kv, Tk, D)."""
+        w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
+        k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(self.d_kv, dim=-1)
+        return self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         """Attention over already projected heads; merges heads and applies W_O. Returns (B, Tq, d_model).
