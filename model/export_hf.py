@@ -1,5 +1,6 @@
 """Export an attnserve model directory as a Hugging Face directory (the inverse of `import_hf`):
-`GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` for Llama-style ones.
+`GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` for Llama-style ones, and
+`BartForConditionalGeneration` for an encoder-decoder BART can express (`hf_bart.py`).
 
     attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.export_hf ...
 
@@ -28,10 +29,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model import hf_llama
-from model.checkpoint import TOKENIZER_FILE, load_model_dir
+from model import hf_bart, hf_llama
+from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_model_dir, load_seq2seq_dir
 from model.config import GPTConfig
 from model.import_hf import BLOCK_MAP, TOP_MAP
+from model.seq2seq_config import is_seq2seq
 from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
 
 HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
@@ -168,8 +170,34 @@ def tokenizer_config(tokenizer: Tokenizer, config: GPTConfig) -> dict:
             "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
 
 
+def export_bart(model_dir: Path, out: Path) -> Path:
+    """An encoder-decoder model directory as `BartForConditionalGeneration` (`hf_bart` says what it needs)."""
+    model, tokenizer = load_seq2seq_dir(model_dir)
+    c = model.config
+    cfg = hf_bart.hf_config(c)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    generation = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(hf_bart.hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(model_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    if (model_dir / TOKENIZER_CONFIG_FILE).is_file():
+        shutil.copyfile(model_dir / TOKENIZER_CONFIG_FILE, out / TOKENIZER_CONFIG_FILE)
+    else:
+        names = {role: tokenizer.hf.id_to_token(i) for role, i in (
+            ("bos_token", cfg["bos_token_id"]), ("eos_token", c.eos_token_id), ("pad_token", c.pad_token_id))}
+        unk = "<unk>" if tokenizer.hf.token_to_id("<unk>") is not None else names["eos_token"]
+        names["unk_token"] = unk  # CTranslate2's converter writes it into its config, where it must be a string
+        (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.n_src_ctx, **names,
+             "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    return out
+
+
 def export_hf(model_dir: str | Path, out: str | Path) -> Path:
     model_dir, out = Path(model_dir), Path(out)
+    if (model_dir / CONFIG_FILE).is_file() and is_seq2seq(model_dir / CONFIG_FILE):
+        return export_bart(model_dir, out)
     model, tokenizer = load_model_dir(model_dir)
     config = model.config
     cfg = hf_config(config)

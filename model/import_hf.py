@@ -1,5 +1,6 @@
-"""Import a local Hugging Face checkpoint into an attnserve model directory: GPT-2, and the Llama
-family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`; see `hf_llama.py`).
+"""Import a local Hugging Face checkpoint into an attnserve model directory: GPT-2, the Llama family
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`; see `hf_llama.py`), and the
+encoder-decoder `BartForConditionalGeneration` (see `hf_bart.py`).
 
     attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.import_hf ...
 
@@ -28,10 +29,11 @@ from safetensors.torch import load_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from model import hf_llama
+from model import hf_bart, hf_llama
 from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.seq2seq import EncoderDecoder
 from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
 
@@ -151,12 +153,14 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
             raise FileNotFoundError(f"{src} has no tokenizer.json (a SentencePiece tokenizer.model alone is not "
                                     "read; save the tokenizer with transformers to get one)")
         tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
+    elif architecture == hf_bart.ARCHITECTURE:
+        return import_bart(src, hf, out)
     elif architecture in ("GPT2LMHeadModel", "GPT2Model"):
         config = config_from_hf(hf)
         state = convert_state_dict(read_hf_weights(src), config)
         tokenizer = read_hf_tokenizer(src, config.eos_token_id)
     else:
-        supported = ", ".join(["GPT2LMHeadModel", *hf_llama.ARCHITECTURES])
+        supported = ", ".join(["GPT2LMHeadModel", *hf_llama.ARCHITECTURES, hf_bart.ARCHITECTURE])
         raise hf_llama.Unsupported(f"architecture {architecture} is not supported (supported: {supported})")
     model = GPT(config)
     model.load_state_dict(state, strict=True)
@@ -167,9 +171,30 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     return out
 
 
+def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
+    """A BART checkpoint -> an encoder-decoder model directory (byte-level BPE tokenizer.json required)."""
+    config = hf_bart.config_from_hf(hf)
+    gen = src / "generation_config.json"
+    if gen.is_file():  # the ids generation uses, where they differ from config.json's
+        ids = json.loads(gen.read_text())
+        for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(ids.get(key), int):
+                setattr(config, key, ids[key])
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{src} has no tokenizer.json (save the tokenizer with transformers to get one)")
+    tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
+    model = EncoderDecoder(config)
+    model.load_state_dict(hf_bart.convert_state_dict(read_hf_weights(src), config), strict=True)
+    out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{hf_bart.ARCHITECTURE}"})
+    for name in TOKENIZER_EXTRAS:
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnserve import-hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral)")
+    p.add_argument("src", help="local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, BART)")
     p.add_argument("-o", "--out", required=True, help="attnserve model directory to write")
     return p
 
