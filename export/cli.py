@@ -27,7 +27,8 @@ from export.bundle_writer import (
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import INT4, INT8, convert_fp16, node_count, optimize, quantize
-from model.checkpoint import load_model_dir
+from model.checkpoint import CONFIG_FILE, load_model_dir, load_seq2seq_dir
+from model.seq2seq_config import is_seq2seq
 from service.runtime.bundle import sha256_file, write_manifest
 
 
@@ -93,8 +94,32 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     return variants
 
 
+def export_encoder_decoder(args: argparse.Namespace) -> int:
+    """An encoder-decoder model directory: its encoder and decoder graphs, fp32 (no other variant yet)."""
+    from export.seq2seq_bundle import export_seq2seq_bundle
+
+    asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8", args.int8), ("--int4", args.int4),
+                                   ("--fp16", args.fp16)) if on]
+    if asked or args.default != "static":
+        print(f"attnserve export: {args.model_dir} is an encoder-decoder model, exported as its fp32 encoder and "
+              f"decoder graphs; {' '.join(asked) or '--default'} applies to decoder-only models", file=sys.stderr)
+        return 2
+    for file in export_seq2seq_bundle(args.model_dir, args.out, name=args.name):
+        print(f"wrote {args.out / file} ({node_count(args.out / file)} nodes)")
+    if not args.verify:
+        return 0
+    from export.verify_seq2seq import verify_seq2seq
+
+    model, _ = load_seq2seq_dir(args.model_dir)
+    report = verify_seq2seq(model, args.out, tol=args.tol)
+    print(report.format())
+    return 0 if report.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (args.model_dir / CONFIG_FILE).is_file() and is_seq2seq(args.model_dir / CONFIG_FILE):
+        return export_encoder_decoder(args)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
                              int8=args.int8, int4=args.int4, fp16=args.fp16, keep_fp32=args.keep_fp32,
                              default=args.default)

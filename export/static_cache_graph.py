@@ -41,7 +41,7 @@ STATIC_OPSET = 17
 MS_DOMAIN = "com.microsoft"
 
 
-class _Builder:
+class GraphBuilder:
     def __init__(self, weights: dict[str, np.ndarray]):
         self.weights = weights
         self.nodes: list[onnx.NodeProto] = []
@@ -131,7 +131,7 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if c.pos_encoding == "sinusoidal":
         weights["pos_emb.weight"] = model.pos_table.float().cpu().numpy()
-    b = _Builder(weights)
+    b = GraphBuilder(weights)
     in_names, out_names = static_io_names(c.n_layer)
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
     if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2)

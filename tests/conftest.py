@@ -25,12 +25,13 @@ from service.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_BUNDLE = ROOT / "models" / "shakespeare-onnx"
+SHIPPED_G2P_BUNDLE = ROOT / "models" / "g2p-cmudict-onnx"
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 # fixtures that build a model with torch (directly or through another of them)
 TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
-                            "llama_bundle",
-                            "plain_bundle", "wrong_int8_bundle"})
+                            "llama_bundle", "plain_bundle", "wrong_int8_bundle", "seq2seq_model_dir",
+                            "lively_seq2seq_bundle"})
 
 
 def pytest_addoption(parser):
@@ -143,13 +144,18 @@ LIVELY_SEED = 2
 
 def make_lively(**overrides):
     """The tiny test model (with `overrides`), its weight matrices redrawn ~ N(0, 0.5²)."""
+    return redrawn(make_model(**overrides))
+
+
+def redrawn(model):
+    """`model` with its weight matrices (embeddings and projections) redrawn ~ N(0, LIVELY_STD²); biases and
+    norms keep their init."""
     import torch
 
-    model = make_model(**overrides)
     gen = torch.Generator().manual_seed(LIVELY_SEED)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() >= 2:  # embeddings and projections; biases and norms keep their init
+            if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * LIVELY_STD)
     return model
 
@@ -189,6 +195,57 @@ def llama_bundle(tmp_path_factory, tiny_tokenizer) -> Path:
     save_model_dir(make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, **LLAMA), tiny_tokenizer, root / "model")
     export_bundle(root / "model", root / "bundle", name="tiny-llama", int8=True)
     return root / "bundle"
+
+
+# ---- encoder-decoder bundles ---------------------------------------------------------------------------
+
+
+def make_lively_seq2seq(vocab_size: int, seed: int = 0, **overrides):
+    """A tiny encoder-decoder (2 + 2 layers, d_model 32, pre-LN, an output head of its own) with its weight
+    matrices redrawn ~ N(0, 0.5²), as the lively decoder's. Random post-LN models with a tied head, the
+    paper's and BART's layout, decode one token over and over whatever the source (measured: 1-2 distinct
+    tokens in 15); this one writes 4-6, so a mixed-up slot or position changes its output."""
+    import torch
+
+    from model.seq2seq import EncoderDecoder
+    from model.seq2seq_config import Seq2SeqConfig
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, n_src_ctx=24, n_tgt_ctx=20, n_encoder_layer=2, n_decoder_layer=2, n_head=4,
+                  d_model=32, d_ff=64, norm_placement="pre", tie_embeddings=False, embedding_norm=True, pad_token_id=0,
+                  decoder_start_token_id=1, eos_token_id=2)
+    return redrawn(EncoderDecoder(Seq2SeqConfig(**{**fields, **overrides})).eval())
+
+
+@pytest.fixture(scope="session")
+def seq2seq_model_dir(tmp_path_factory) -> Path:
+    """A lively tiny encoder-decoder with the G2P tokenizer (letters in, phonemes out)."""
+    from model.checkpoint import save_model_dir
+    from model.g2p_data import g2p_tokenizer
+
+    tokenizer = g2p_tokenizer()
+    path = tmp_path_factory.mktemp("seq2seq_model")
+    save_model_dir(make_lively_seq2seq(tokenizer.vocab_size), tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lively_seq2seq_bundle(tmp_path_factory, seq2seq_model_dir) -> Path:
+    from export.seq2seq_bundle import export_seq2seq_bundle
+
+    path = tmp_path_factory.mktemp("seq2seq_bundle")
+    export_seq2seq_bundle(seq2seq_model_dir, path, name="tiny-seq2seq")
+    return path
+
+
+@pytest.fixture(scope="session")
+def seq2seq_bundle(request) -> Path:
+    """The encoder-decoder bundle the engine and server tests serve: the lively one, or in the serving lane
+    the shipped G2P bundle."""
+    if serving_bundle(request.config) is None:
+        return request.getfixturevalue("lively_seq2seq_bundle")
+    read_manifest(SHIPPED_G2P_BUNDLE)
+    return SHIPPED_G2P_BUNDLE
 
 
 @pytest.fixture(scope="session")

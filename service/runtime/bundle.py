@@ -42,6 +42,7 @@ CacheLayout = Literal["concat", "static"]
 
 
 WeightPrecision = Literal["float32", "float16", "int8", "int4"]
+ModelKind = Literal["decoder", "encoder-decoder"]
 
 
 class GraphSpec(BaseModel):
@@ -75,7 +76,26 @@ class ModelSpec(BaseModel):
     bos_token_id: int | None = None
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head (older bundles)
     eos_token_ids: list[int] | None = None  # every id that ends generation, when more than eos_token_id
-    architecture: str = "gpt2"  # gpt2 or llama (rotary positions, RMSNorm, SwiGLU)
+    architecture: str = "gpt2"  # gpt2 or llama (rotary positions, RMSNorm, SwiGLU), or the encoder-decoder's
+    # an encoder-decoder model: n_ctx and n_layer are its decoder's; the encoder reads sources of up to
+    # n_src_ctx tokens, and every target starts with decoder_start_token_id
+    kind: ModelKind = "decoder"
+    n_src_ctx: int | None = None
+    n_encoder_layer: int | None = None
+    decoder_start_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @model_validator(mode="after")
+    def _encoder_decoder_fields(self) -> ModelSpec:
+        if self.kind == "encoder-decoder" and None in (self.n_src_ctx, self.n_encoder_layer,
+                                                       self.decoder_start_token_id, self.pad_token_id):
+            raise ValueError("an encoder-decoder model needs n_src_ctx, n_encoder_layer, decoder_start_token_id "
+                             "and pad_token_id")
+        return self
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.kind == "encoder-decoder"
 
     @property
     def kv_heads(self) -> int:
@@ -106,7 +126,14 @@ class Manifest(BaseModel):
     opset: int  # default-domain ONNX opset of every graph
     source_weights_sha256: str  # sha256 of the model.safetensors the graphs were exported from
     default_graph: str  # key into graphs used when no variant is asked for
-    graphs: dict[str, GraphSpec]  # variant name -> graph
+    graphs: dict[str, GraphSpec]  # variant name -> graph (an encoder-decoder's: its decoder graphs)
+    encoder_graph: GraphSpec | None = None  # an encoder-decoder's encoder, run once per source
+
+    @model_validator(mode="after")
+    def _encoder_graph_of_its_kind(self) -> Manifest:
+        if (self.encoder_graph is not None) != self.model.encoder_decoder:
+            raise ValueError("an encoder-decoder bundle has an encoder_graph, and only it")
+        return self
 
     def preferred_graph(self, cache: CacheLayout) -> str:
         """The default graph if it has this cache layout, else the first graph that has it."""
@@ -139,7 +166,33 @@ def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def graph_io_names(cache: CacheLayout, n_layer: int) -> tuple[list[str], list[str]]:
+def self_kv_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """The decoder's self-attention cache, in graph order: past inputs and present outputs."""
+    inputs, outputs = static_io_names(n_layer)
+    return inputs[4:], outputs[1:]
+
+
+def cross_kv_names(n_layer: int) -> list[str]:
+    """An encoder-decoder's cross-attention keys and values per decoder layer: the encoder graph's
+    outputs and the decoder graph's inputs."""
+    return [f"cross.{i}.{kind}" for i in range(n_layer) for kind in ("key", "value")]
+
+
+def seq2seq_decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """An encoder-decoder's decoder graph: the static decoder's inputs, then the cross-attention keys and
+    values and the source mask."""
+    inputs, outputs = static_io_names(n_layer)
+    return inputs + cross_kv_names(n_layer) + ["encoder_attention_mask"], outputs
+
+
+def encoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """An encoder-decoder's encoder graph (`n_layer`: the decoder layers it writes keys and values for)."""
+    return ["input_ids", "attention_mask"], cross_kv_names(n_layer)
+
+
+def graph_io_names(cache: CacheLayout, n_layer: int, kind: ModelKind = "decoder") -> tuple[list[str], list[str]]:
+    if kind == "encoder-decoder":
+        return seq2seq_decoder_io_names(n_layer)
     return decoder_io_names(n_layer) if cache == "concat" else static_io_names(n_layer)
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from service.runtime.bundle import AUTO_GRAPH, BundleError, read_manifest
 from service.runtime.cpu import cpu_info
 from service.runtime.self_check import Agreement, check
+from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import Provider
 from service.runtime.static_runner import StaticRunner
 
@@ -67,6 +68,8 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     def open_(name: str | None) -> StaticRunner:
         return StaticRunner(bundle, name, provider, threads)
 
+    if read_manifest(bundle).model.encoder_decoder:
+        return open_encoder_decoder(bundle, graph, provider, threads)
     if graph != AUTO_GRAPH:
         runner = open_(graph)
         check(runner)
@@ -94,6 +97,16 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
              "within %.0f%% of it); measured: %s", cpu_info().describe(), best.runner.graph_name, 100 * TIE_MARGIN,
              "; ".join(c.describe() for c in candidates))
     return best.runner
+
+
+def open_encoder_decoder(bundle: Path, graph: str, provider: Provider, threads: int) -> Seq2SeqRunner:
+    """An encoder-decoder bundle's runner: its fp32 graphs on the CPU, which export verified against
+    PyTorch (there is no reduced-precision encoder-decoder graph to choose from or check)."""
+    runner = Seq2SeqRunner(bundle, None if graph == AUTO_GRAPH else graph, provider, threads)
+    if runner.provider != "CPUExecutionProvider" or runner.spec.weights != "float32":
+        raise BundleError(f"an encoder-decoder graph is served in fp32 on the CPU; {runner.graph_name!r} has "
+                          f"{runner.spec.weights} weights on {runner.provider}: serve it with provider 'cpu'")
+    return runner
 
 
 def choose(candidates: list[Candidate]) -> Candidate:

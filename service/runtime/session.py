@@ -20,6 +20,8 @@ from service.runtime.bundle import (
     CacheLayout,
     GraphSpec,
     Manifest,
+    ModelKind,
+    encoder_io_names,
     graph_io_names,
     read_manifest,
     sha256_file,
@@ -86,10 +88,11 @@ def create_session(path: Path, provider: Provider, intra_op_threads: int = 0,
         raise BundleError(f"{path} cannot be loaded by onnxruntime {ort.__version__}: {text}") from None
 
 
-def check_io(session: ort.InferenceSession, spec: GraphSpec, n_layer: int) -> None:
+def check_io(session: ort.InferenceSession, spec: GraphSpec, n_layer: int, kind: ModelKind = "decoder",
+             encoder: bool = False) -> None:
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
-    want_in, want_out = graph_io_names(spec.cache, n_layer)
+    want_in, want_out = encoder_io_names(n_layer) if encoder else graph_io_names(spec.cache, n_layer, kind)
     for kind, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
         if got != want:
             missing = [n for n in want if n not in got]
@@ -123,7 +126,7 @@ def open_graph(bundle_dir: str | Path, graph: str | None, cache: CacheLayout, pr
                           f"(graphs in the bundle: {listing})")
     tokenizer = load_tokenizer(bundle_dir, manifest)
     session = create_session(bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
-    check_io(session, spec, manifest.model.n_layer)
+    check_io(session, spec, manifest.model.n_layer, manifest.model.kind)
     log.info("onnxruntime %s: %s graph %s (%s cache) on %s (intra-op threads %s)", ort.__version__,
              manifest.model.name, name, cache, session.get_providers()[0], intra_op_threads or "default")
     return OpenGraph(bundle_dir, manifest, name, spec, tokenizer, session)

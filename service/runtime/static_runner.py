@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from service.runtime.bundle import BundleError
 from service.runtime.session import Provider, open_graph
 
 
@@ -51,6 +52,9 @@ class StaticRunner:
         self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
         self.tokenizer, self.session = g.tokenizer, g.session
         m = self.manifest.model
+        if m.encoder_decoder and type(self) is StaticRunner:
+            raise BundleError(f"{self.bundle_dir} holds an encoder-decoder model: its decoder graph needs the "
+                              "source state that Seq2SeqRunner keeps")
         self.vocab_size = m.vocab_size
         self.cache_shape = CacheShape(m.n_layer, m.kv_heads, m.d_head, m.n_ctx, self.spec.dtype)
         self._buffers: list[np.ndarray] = []  # the attached cache
@@ -58,9 +62,17 @@ class StaticRunner:
         self._past_names, self._present_names = inputs[4:], outputs[1:]
         self.provider = self.session.get_providers()[0]
 
-    def attach(self, buffers: list[np.ndarray]) -> None:
+    def slot_state(self, n_slots: int) -> list[np.ndarray]:
+        """What each slot holds besides its keys and values: nothing for a decoder-only model."""
+        return []
+
+    def slot_state_bytes(self) -> int:
+        return 0
+
+    def attach(self, buffers: list[np.ndarray], state: list[np.ndarray] | None = None) -> None:
         """Use `buffers` (from `CacheShape.buffers`) as the cache; decode buffers are sized for all of its
         slots, once. A cache may hold fewer positions per slot than the context (probes need only a few)."""
+        assert not state, "a decoder-only graph keeps no per-slot state"
         s = self.cache_shape
         n, positions = buffers[0].shape[0], buffers[0].shape[2]
         fits = positions <= s.max_seq and len(buffers) == 2 * s.n_layer and all(
