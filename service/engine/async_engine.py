@@ -175,6 +175,7 @@ class AsyncEngine:
         e = self.engine
         self.model, self.tokenizer, self.limits = e.model, e.tokenizer, e.limits  # fixed for the engine's life
         self.context = e.context  # positions per sequence: the model context or a shorter max_context
+        self.encoder_decoder = e.encoder_decoder  # the prompt is a source; the completion its target
         self.runner = e.runner
         self.max_running = e.max_running
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -115,20 +115,24 @@ class Engine:
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
         self.context = served_context(config, m.n_ctx)  # positions per sequence, prompt + completion
+        # an encoder-decoder's prompt is its source, encoded apart: its context is the target's
+        self.encoder_decoder = m.encoder_decoder
         shape = replace(self.runner.cache_shape, max_seq=self.context)
-        self.prefixes = plan_prefix_cache(shape, config)
+        self.prefixes = None if self.encoder_decoder else plan_prefix_cache(shape, config)
         budget = config.kv_cache_bytes
         if budget is not None and self.prefixes is not None:
             if self.prefixes.nbytes >= budget:
                 raise ValueError(f"the prefix cache ({self.prefixes.nbytes} bytes) leaves no room for a sequence in "
                                  f"kv_cache_bytes={budget}: lower prefix_cache_tokens or raise the budget")
             budget -= self.prefixes.nbytes
-        n_slots = plan_slots(shape, config.max_running, budget)
-        self.kv = KVCache(shape, n_slots)
-        self.runner.attach(self.kv.buffers)
-        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes)
+        n_slots = plan_slots(shape, config.max_running, budget, self.runner.slot_state_bytes())
+        self.kv = KVCache(shape, n_slots, self.runner.slot_state(n_slots))
+        self.runner.attach(self.kv.buffers, self.kv.slot_state)
+        self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes,
+                                   encoder_decoder=self.encoder_decoder)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
-        self.limits = EngineLimits.of(config, self.context)
+        self.limits = EngineLimits.of(config, self.context,
+                                      self.runner.max_source if self.encoder_decoder else None)
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
@@ -163,7 +167,9 @@ class Engine:
             raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.max_running} at once")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         state = RequestState(request, seed)
-        first = SamplingState.create(request.sampling, request.prompt_token_ids, self.model.vocab_size, seed,
+        # penalties count the tokens the model has generated from: the prompt, or an encoder-decoder's target
+        history = [self.model.decoder_start_token_id] if self.encoder_decoder else request.prompt_token_ids
+        first = SamplingState.create(request.sampling, history, self.model.vocab_size, seed,
                                      want_logprobs=request.logprobs, top_logprobs=request.top_logprobs,
                                      suppress=self._suppressed_until_min_tokens(request),
                                      min_tokens=request.stopping.min_new_tokens)

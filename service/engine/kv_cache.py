@@ -8,6 +8,10 @@ writes each step's keys and values in place: nothing is copied or allocated per 
 Slots are kept dense: `allocate` hands out the next free slots, and `release` moves the last used
 slot into the hole, so a decode step always covers slots [0, used). A move copies only the moved
 sequence's live prefix (its length, not max_seq), and only when a sequence leaves.
+
+An encoder-decoder model keeps more per slot: its source's cross-attention keys and values and its
+source mask (`slot_state`, arrays whose first axis is the slot), written once when the source is
+encoded. They move and fork with the slot, whole.
 """
 
 from __future__ import annotations
@@ -17,22 +21,26 @@ import numpy as np
 from service.runtime.static_runner import CacheShape
 
 
-def plan_slots(shape: CacheShape, max_running: int, memory_budget_bytes: int | None) -> int:
-    """How many slots to allocate: max_running, or fewer if the memory budget cannot hold them."""
+def plan_slots(shape: CacheShape, max_running: int, memory_budget_bytes: int | None, state_bytes: int = 0) -> int:
+    """How many slots to allocate: max_running, or fewer if the memory budget cannot hold them
+    (`state_bytes`: what else each slot holds, an encoder-decoder's source state)."""
     if memory_budget_bytes is None:
         return max_running
-    fits = memory_budget_bytes // shape.bytes_per_slot
+    per_slot = shape.bytes_per_slot + state_bytes
+    fits = memory_budget_bytes // per_slot
     if fits < 1:
         raise ValueError(f"kv_cache_bytes={memory_budget_bytes} cannot hold one sequence of {shape.max_seq} "
-                         f"positions ({shape.bytes_per_slot} bytes)")
+                         f"positions ({per_slot} bytes)")
     return int(min(max_running, fits))
 
 
 class KVCache:
-    def __init__(self, shape: CacheShape, n_slots: int):
+    def __init__(self, shape: CacheShape, n_slots: int, slot_state: list[np.ndarray] | None = None):
         self.shape = shape
         self.n_slots = n_slots
         self.buffers = shape.buffers(n_slots)
+        self.slot_state = slot_state or []  # per-slot arrays that move whole with their slot
+        assert all(a.shape[0] == n_slots for a in self.slot_state)
         self.lengths = np.zeros(n_slots, dtype=np.int64)  # positions written per slot (= next write position)
         self.pending = np.zeros(n_slots, dtype=np.int64)  # per slot: the token the next decode writes
         self.owners: list[object | None] = [None] * n_slots  # who holds each slot
@@ -41,7 +49,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return sum(b.nbytes for b in self.buffers) + sum(a.nbytes for a in self.slot_state)
 
     @property
     def free_slots(self) -> int:
@@ -94,4 +102,6 @@ class KVCache:
         """Copy the first `length` positions of slot `src` into slot `dst` (every layer, K and V)."""
         for buf in self.buffers:
             buf[dst, :, :length] = buf[src, :, :length]
+        for state in self.slot_state:
+            state[dst] = state[src]
         self.lengths[dst] = length

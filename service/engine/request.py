@@ -136,14 +136,18 @@ class EngineLimits:
     default_max_new_tokens: int  # a request that leaves max_new_tokens unset gets at most this many
     max_n: int = MAX_N
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    encoder_decoder: bool = False  # the prompt is a source, limited on its own; it takes no room from the target
 
     @classmethod
-    def of(cls, config, n_ctx: int) -> EngineLimits:
-        """The limits of an `EngineConfig` on a model of `n_ctx` positions: each at most n_ctx - 1."""
+    def of(cls, config, n_ctx: int, max_source: int | None = None) -> EngineLimits:
+        """The limits of an `EngineConfig` on a model of `n_ctx` positions: each at most n_ctx - 1; an
+        encoder-decoder's (`max_source` given) prompt at most max_source tokens and its target n_ctx - 1."""
         longest = n_ctx - 1
         max_new = min(config.max_new_tokens or longest, longest)
-        return cls(max_new_tokens=max_new, max_prompt_tokens=min(config.max_prompt_tokens or longest, longest),
-                   default_max_new_tokens=min(config.default_max_new_tokens, max_new))
+        prompt = longest if max_source is None else max_source
+        return cls(max_new_tokens=max_new, max_prompt_tokens=min(config.max_prompt_tokens or prompt, prompt),
+                   default_max_new_tokens=min(config.default_max_new_tokens, max_new),
+                   encoder_decoder=max_source is not None)
 
 
 @dataclass
@@ -177,6 +181,13 @@ class GenerationRequest:
         for i, t in enumerate(self.prompt_token_ids):
             if not (isinstance(t, int) and 0 <= t < vocab_size):
                 raise InvalidRequest(f"prompt_token_ids[{i}]", f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
+        if limits.encoder_decoder:
+            if len(self.prompt_token_ids) > limits.max_prompt_tokens:
+                if not self.truncate_prompt:
+                    raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens exceed the longest source "
+                                         f"of {limits.max_prompt_tokens} tokens; shorten it")
+                self.prompt_token_ids = self.prompt_token_ids[-limits.max_prompt_tokens:]
+            return
         room = min(n_ctx - st.max_new_tokens, limits.max_prompt_tokens)
         if len(self.prompt_token_ids) > room:
             if not self.truncate_prompt:

@@ -79,11 +79,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int, prefixes: PrefixCache | None = None):
+    def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int, prefixes: PrefixCache | None = None,
+                 encoder_decoder: bool = False):
         self.kv = kv
         self.prefixes = prefixes
         self.max_running = min(max_running, kv.n_slots)
         self.max_batch_tokens = max_batch_tokens
+        # the prompts are an encoder-decoder's sources: each is encoded whole (never chunked), and what its
+        # prefill leaves in the cache is one target position, the decoder start token
+        self.encoder_decoder = encoder_decoder
         self.waiting: deque[RequestState] = deque()
         self.chunking: Sequence | None = None  # a long prompt part-way through prefill
 
@@ -134,7 +138,7 @@ class Scheduler:
                 first.num_prefilled = state.cached_tokens = hit.tokens
                 self.chunking = first
                 return self._next_chunk(first, budget)
-            if length > budget:  # alone, and still too long: chunk it
+            if length > budget and not self.encoder_decoder:  # alone, and still too long: chunk it
                 self.chunking = first
                 return self._next_chunk(first, budget)
             batch.append(state)
@@ -151,7 +155,7 @@ class Scheduler:
         complete = []
         for row, (seq, chunk) in enumerate(zip(work.seqs, work.chunks, strict=True)):
             seq.num_prefilled += len(chunk)
-            self.kv.lengths[seq.slot] = seq.num_prefilled
+            self.kv.lengths[seq.slot] = 1 if self.encoder_decoder else seq.num_prefilled
             if seq.num_prefilled < seq.prompt_len:
                 continue
             seq.status = Status.DECODING
@@ -183,7 +187,7 @@ class Scheduler:
         """Give a reserved slot to `sibling` with a copy of `seq`'s prompt cache."""
         sibling.slot = self.kv.allocate(sibling, reserved=True)
         sibling.state.reserved -= 1
-        self.kv.copy(seq.slot, sibling.slot, seq.prompt_len)
+        self.kv.copy(seq.slot, sibling.slot, int(self.kv.lengths[seq.slot]))
         sibling.num_prefilled = seq.num_prefilled
         sibling.status = Status.DECODING
 

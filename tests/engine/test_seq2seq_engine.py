@@ -1,0 +1,117 @@
+"""The engine on an encoder-decoder bundle: the prompt is the source, the completion the target.
+
+Sources are encoded in batches like prefill, targets decoded in continuous batches; the outputs do
+not depend on what else runs (batch invariance), and equal PyTorch's greedy decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engine.config import EngineConfig
+from service.engine.core import Engine
+from service.engine.errors import InvalidRequest
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from tests.engine.harness import check_event_stream, drive, greedy, sampled
+
+WORDS = ["transformer", "attention", "cat", "onnxruntime", "a", "encoder", "decoder", "kubernetes", "serving",
+         "phoneme", "x", "grapheme"]
+
+
+@pytest.fixture
+def make_s2s(seq2seq_bundle):
+    def make(**overrides) -> Engine:
+        config = dict(bundle=seq2seq_bundle, max_running=4, max_batch_tokens=64, threads=1)
+        return Engine(EngineConfig(**{**config, **overrides}))
+
+    return make
+
+
+def sources(engine: Engine) -> list[list[int]]:
+    return [engine.tokenizer.encode(w) for w in WORDS]
+
+
+def test_a_batch_gives_each_source_what_it_gets_alone(make_s2s):
+    engine = make_s2s()
+    assert engine.encoder_decoder and engine.prefixes is None
+    srcs = sources(engine)
+    alone = {f"w{i}": drive(make_s2s(max_running=1), [greedy(f"w{i}", s, 12)]).tokens(f"w{i}")
+             for i, s in enumerate(srcs[:5])}
+    # 12 requests through 4 slots, some arriving while others decode: continuous batching
+    arrivals = {3: [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i >= 6]}
+    run = drive(engine, [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i < 6], arrivals)
+    assert not run.errors
+    for rid, tokens in alone.items():
+        assert run.tokens(rid) == tokens
+    assert all(0 < len(run.tokens(f"w{i}")) <= 12 for i in range(len(WORDS)))
+    for i in range(len(WORDS)):
+        check_event_stream(run, f"w{i}")
+
+
+def test_seeded_sampling_n_and_penalties_are_batch_invariant(make_s2s):
+    engine = make_s2s()
+    srcs = sources(engine)
+    req = sampled("s", srcs[0], 10, seed=7, n=2, temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5)
+    alone = drive(make_s2s(), [req])
+    crowd = drive(engine, [sampled("s", srcs[0], 10, seed=7, n=2, temperature=0.9, repetition_penalty=1.3,
+                                   presence_penalty=0.5)] + [greedy(f"o{i}", s, 8) for i, s in enumerate(srcs[1:4])])
+    assert [alone.tokens("s", k) for k in (0, 1)] == [crowd.tokens("s", k) for k in (0, 1)]
+
+
+def test_stop_rules_and_limits(make_s2s):
+    engine = make_s2s()
+    m = engine.model
+    src = sources(engine)[0]
+    run = drive(engine, [greedy("g", src, m.n_ctx - 1)])
+    full = run.tokens("g")
+    assert len(full) <= m.n_ctx - 1  # the target context bounds the output, whatever the source length
+    if len(full) >= 3:  # a stop token ends the target at its first occurrence
+        stop = full[2]
+        cut = drive(engine, [greedy("t", src, m.n_ctx - 1, stop_token_ids=[stop])])
+        assert cut.tokens("t") == full[:full.index(stop) + 1] and cut.finish("t") == "stop"
+    with pytest.raises(InvalidRequest, match="longest source"):
+        engine.new_request(greedy("long", [5] * (m.n_src_ctx + 1), 4))
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        engine.new_request(greedy("many", src, m.n_ctx))
+    # a source as long as the model allows, and a target as long as the context allows, together
+    longest = GenerationRequest("max", [7] * m.n_src_ctx, SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=m.n_ctx - 1, ignore_eos=True))
+    run = drive(engine, [longest])
+    assert len(run.tokens("max")) == m.n_ctx - 1 and not run.errors
+
+
+def test_a_truncated_source_keeps_its_last_tokens(make_s2s):
+    engine = make_s2s()
+    limit = engine.limits.max_prompt_tokens
+    long = list(np.arange(limit + 5) % 20 + 4)
+    req = GenerationRequest("t", [int(t) for t in long], SamplingParams(temperature=0.0),
+                            StoppingCriteria(max_new_tokens=5), truncate_prompt=True)
+    state = engine.new_request(req)
+    assert state.prompt == [int(t) for t in long[-limit:]]
+
+
+def test_aborting_one_request_leaves_the_others(make_s2s):
+    engine = make_s2s()
+    srcs = sources(engine)
+    want = drive(make_s2s(), [greedy("keep", srcs[1], 12, ignore_eos=True)]).tokens("keep")
+
+    def abort(engine, step, run):
+        if step == 2:
+            engine.abort("drop")
+
+    run = drive(engine, [greedy("drop", srcs[0], 12, ignore_eos=True), greedy("keep", srcs[1], 12, ignore_eos=True)],
+                before_step=abort)
+    assert run.tokens("keep") == want and len(run.tokens("drop")) < 12
+
+
+def test_greedy_targets_equal_pytorch(seq2seq_model_dir, lively_seq2seq_bundle):
+    import torch
+
+    from model.checkpoint import load_seq2seq_dir
+
+    model, _ = load_seq2seq_dir(seq2seq_model_dir)
+    engine = Engine(EngineConfig(bundle=lively_seq2seq_bundle, max_running=4, max_batch_tokens=64, threads=1))
+    srcs = sources(engine)
+    run = drive(engine, [greedy(f"w{i}", s, 15) for i, s in enumerate(srcs)])
+    for i, src in enumerate(srcs):
+        assert run.tokens(f"w{i}") == model.generate(torch.tensor([src]), max_new_tokens=15)[0]
