@@ -165,7 +165,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph", "architecture", "attention_heads", "kv_heads", "eos_token_ids", "layers")
+    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph", "architecture", "attention_heads", "kv_heads", "eos_token_ids", "layers", "kind", "source_tokens", "decoder_start_token_id", "encoder_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,10 @@ class ModelInfo(_message.Message):
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODER_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_tokens: int
@@ -190,7 +194,11 @@ class ModelInfo(_message.Message):
     kv_heads: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     layers: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ..., architecture: _Optional[str] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ...) -> None: ...
+    kind: str
+    source_tokens: int
+    decoder_start_token_id: int
+    encoder_layers: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ..., architecture: _Optional[str] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., kind: _Optional[str] = ..., source_tokens: _Optional[int] = ..., decoder_start_token_id: _Optional[int] = ..., encoder_layers: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

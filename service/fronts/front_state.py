@@ -22,6 +22,7 @@ from service import logs
 from service.engine.async_engine import AsyncEngine, RequestStream
 from service.engine.errors import EngineStopped, NotReady
 from service.engine.request import TokenEvent
+from service.fronts.generation_defaults import sampling_defaults
 from service.fronts.metrics import Metrics
 from service.fronts.validation import AcceptedRequest, ModelFacts
 from service.runtime.tokenizer import Tokenizer
@@ -69,8 +70,13 @@ class FrontState:
         self.texts = TokenTexts(engine.tokenizer)
         n_ctx = engine.context  # the served context, which may be shorter than the model's
         longest = max(len(engine.tokenizer.decode([i])) for i in range(engine.model.vocab_size))
-        # no longer text can tokenize to n_ctx tokens
-        self.model = ModelFacts(engine.tokenizer, n_ctx, engine.limits, max_prompt_chars=n_ctx * max(longest, 1))
+        # no longer text can tokenize to the prompt's limit (an encoder-decoder's: its longest source)
+        prompt_tokens = engine.limits.max_prompt_tokens if engine.encoder_decoder else n_ctx
+        self.model = ModelFacts(engine.tokenizer, n_ctx, engine.limits,
+                                max_prompt_chars=prompt_tokens * max(longest, 1),
+                                sampling_defaults=sampling_defaults(engine.config.bundle))
+        if self.model.sampling_defaults:
+            log.info("sampling defaults from the model's generation config: %s", self.model.sampling_defaults)
         self.accepting = True
 
     @property

@@ -83,12 +83,14 @@ class ModelFacts:
     n_ctx: int
     limits: EngineLimits
     max_prompt_chars: int | None = None  # longer text cannot fit the context, so it is refused untokenized
+    sampling_defaults: dict | None = None  # what the model's generation config sets for unset sampling fields
 
 
 def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str, Any],
            model: ModelFacts, default_max_new: int | None = None) -> AcceptedRequest:
     """Check a front's values and build the engine request. `sampling` and `stopping` hold only the
-    fields the client set; the others take their defaults (docs/api.md): an unset max_new_tokens is
+    fields the client set; the others take their defaults (docs/api.md), the model's generation config's
+    where it sets them (`service.fronts.generation_defaults`): an unset max_new_tokens is
     `default_max_new` (else the engine's default), shrunk to the room the prompt leaves. Raises
     `InvalidRequest`."""
     try:
@@ -98,14 +100,17 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
         raise (cause if isinstance(cause, InvalidRequest) else invalid_request(e, RequestFields)) from None
     if f.prompt:
         if model.max_prompt_chars is not None and len(f.prompt) > model.max_prompt_chars:
-            raise InvalidRequest("prompt", f"{len(f.prompt)} characters cannot fit the model context of "
-                                 f"{model.n_ctx} tokens (at most {model.max_prompt_chars} characters)")
+            room = (f"the longest source of {model.limits.max_prompt_tokens}" if model.limits.encoder_decoder
+                    else f"the model context of {model.n_ctx}")
+            raise InvalidRequest("prompt", f"{len(f.prompt)} characters cannot fit {room} tokens (at most "
+                                 f"{model.max_prompt_chars} characters)")
         ids, text = model.tokenizer.encode(f.prompt), f.prompt
     else:
         ids, text = f.prompt_token_ids, None
     stopping = dict(stopping)
     if stopping.get("max_new_tokens") is None:
         stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt, default_max_new)
+    sampling = {**(model.sampling_defaults or {}), **sampling}
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
                                 logprobs=f.logprobs, truncate_prompt=f.truncate_prompt)
@@ -118,5 +123,8 @@ def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_promp
                            default: int | None = None) -> int:
     """An unset max_new_tokens: `default` or the engine's, shrunk to the room the prompt leaves (unless
     the prompt may be truncated to make room)."""
-    room = model.n_ctx if truncate_prompt else model.n_ctx - prompt_tokens
+    if model.limits.encoder_decoder:  # the source takes no room from the target
+        room = model.n_ctx - 1
+    else:
+        room = model.n_ctx if truncate_prompt else model.n_ctx - prompt_tokens
     return max(1, min(default or model.limits.default_max_new_tokens, model.limits.max_new_tokens, room))

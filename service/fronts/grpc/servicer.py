@@ -64,7 +64,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                                 eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
                                 provider=runner.session.get_providers()[0], graph=runner.graph_name,
                                 architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,
-                                eos_token_ids=m.stop_ids, layers=m.n_layer)
+                                eos_token_ids=m.stop_ids, layers=m.n_layer, kind=m.kind,
+                                source_tokens=engine.limits.max_prompt_tokens if m.encoder_decoder else 0,
+                                decoder_start_token_id=m.decoder_start_token_id or 0,
+                                encoder_layers=m.n_encoder_layer or 0)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):

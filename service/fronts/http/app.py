@@ -346,6 +346,9 @@ class HttpFront:
         return self._tokens
 
     def _chat_template(self) -> ChatTemplate:
+        if self._template is None and self.state.ready().encoder_decoder:
+            self._template = (None, "it is an encoder-decoder, which turns a source sequence into a target, "
+                                    "not a conversation into a reply")
         if self._template is None:
             bundle = self.state.ready().config.bundle
             try:
