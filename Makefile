@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak clean
+.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
@@ -16,9 +16,13 @@ help:
 	@echo "                only (no torch), as the container has it, on the shipped bundle"
 	@echo "make train      retrain the default model: GPT and Llama-style layouts at two schedules (~90 min on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
+	@echo "make train-g2p  retrain the grapheme-to-phoneme encoder-decoder on CMUdict (30 min on 2 cores)"
+	@echo "make bundle-g2p export it to its ONNX bundle (encoder and decoder graphs) and verify it"
+	@echo "make serve-g2p  serve it: the prompt is a word, the completion its phonemes"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
-	@echo "make bench      the serving benchmarks: gRPC load and the comparison with the peers (docs/BENCHMARKS.md)"
+	@echo "make bench      the serving benchmarks: gRPC load, the comparison with the peers, the G2P model against"
+	@echo "                CTranslate2 and transformers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
 	@echo "make bench-peers  the peers' virtualenvs for the comparison: .venv-peers (transformers + optimum), .venv-ct2"
 	@echo "                (CTranslate2), .venv-openvino (OpenVINO through optimum-intel)"
@@ -99,6 +103,19 @@ bundle: install
 	rm -rf $(BUNDLE)
 	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --int8 --no-fp32 --verify
 
+# The grapheme-to-phoneme encoder-decoder (model/train_g2p.py, docs/model.md): a 30-minute budget on 2 cores
+G2P        := models/g2p-cmudict
+G2P_BUNDLE := models/g2p-cmudict-onnx
+train-g2p: install
+	$(BIN)/attnserve train-g2p --out $(G2P)
+
+bundle-g2p: install
+	rm -rf $(G2P_BUNDLE)
+	$(BIN)/attnserve export $(G2P) -o $(G2P_BUNDLE) --name g2p-cmudict --verify
+
+serve-g2p: install
+	$(BIN)/attnserve serve --bundle $(G2P_BUNDLE)
+
 bench-onnx: install
 	$(BIN)/attnserve export $(MODEL) -o runs/bundle-all --optimize --int8 --fp16
 	$(BIN)/attnserve bench onnx-variants --bundle runs/bundle-all --quality
@@ -154,6 +171,7 @@ bench: install bench-peers bench-llama-cpp
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --prompt-tokens 16 --new-tokens 128 --noop-check
 	$(BIN)/attnserve bench serve --concurrency 1,8,32,64 --mixed
 	$(BIN)/attnserve bench compare
+	$(BIN)/attnserve bench g2p
 
 soak: install
 	$(BIN)/attnserve bench soak --minutes 10

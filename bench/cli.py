@@ -16,6 +16,8 @@ BENCHES = {
                                          "import-hf, export and the engine"),
     "rotary-placement": ("bench.rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
     "prefix-cache": ("bench.prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
+    "g2p": ("bench.g2p", "the encoder-decoder G2P model against CTranslate2 and transformers: words/s alone "
+                         "and 32 at a time"),
     "bandwidth": ("bench.bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
 }
 

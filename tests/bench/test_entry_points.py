@@ -13,7 +13,8 @@ import pytest
 from bench.cli import BENCHES, main
 from bench.machine import describe, machine_line
 
-# placeholders: {bundle} the tiny bundle (every graph variant), {model} its model directory, {out} a temp folder
+# placeholders: {bundle} the tiny bundle (every graph variant), {model} its model directory, {out} a temp folder,
+# {s2s_model} and {s2s_bundle} a tiny encoder-decoder and its bundle
 QUICK = {
     "engine": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
                "--contexts", "16,32", "--sampler-vocab", "1000", "--sampler-steps", "4", "--out", "{out}"],
@@ -32,16 +33,20 @@ QUICK = {
     "bandwidth": ["--mb", "8", "--rounds", "1", "--out", "{out}"],
     "prefix-cache": ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "4096", "--context", "256",
                      "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
+    "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--work",
+            "{out}/work", "--out", "{out}"],
 }
-SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache"}  # start a server, or export a graph with torch
+SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
                                   for name in BENCHES])
-def test_every_bench_runs_quickly_on_a_tiny_bundle(name, tiny_bundle, tiny_model_dir, tmp_path, capsys):
+def test_every_bench_runs_quickly_on_a_tiny_bundle(name, tiny_bundle, tiny_model_dir, seq2seq_model_dir,
+                                                   lively_seq2seq_bundle, tmp_path, capsys):
     assert name in QUICK, f"bench {name!r} has no quick arguments: add them to QUICK"
     out = tmp_path / "results"
-    args = [a.format(bundle=tiny_bundle, model=tiny_model_dir, out=out) for a in QUICK[name]]
+    args = [a.format(bundle=tiny_bundle, model=tiny_model_dir, out=out, s2s_model=seq2seq_model_dir,
+                     s2s_bundle=lively_seq2seq_bundle) for a in QUICK[name]]
 
     assert main([name, *args]) == 0
 
