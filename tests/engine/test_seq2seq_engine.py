@@ -5,14 +5,16 @@ not depend on what else runs (batch invariance), and equal PyTorch's greedy deco
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine
-from service.engine.errors import InvalidRequest
+from service.engine.errors import DeadlineExceeded, InvalidRequest
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from tests.engine.harness import check_event_stream, drive, greedy, sampled
+from tests.engine.harness import Run, check_event_stream, check_idle, drive, greedy, sampled
 
 WORDS = ["transformer", "attention", "cat", "onnxruntime", "a", "encoder", "decoder", "kubernetes", "serving",
          "phoneme", "x", "grapheme"]
@@ -115,3 +117,25 @@ def test_greedy_targets_equal_pytorch(seq2seq_model_dir, lively_seq2seq_bundle):
     run = drive(engine, [greedy(f"w{i}", s, 15) for i, s in enumerate(srcs)])
     for i, src in enumerate(srcs):
         assert run.tokens(f"w{i}") == model.generate(torch.tensor([src]), max_new_tokens=15)[0]
+
+
+def test_a_deadline_ends_a_running_request_and_frees_its_slots(make_s2s):
+    engine = make_s2s()
+    srcs = sources(engine)
+    want = drive(make_s2s(), [greedy("keep", srcs[1], 12, ignore_eos=True)]).tokens("keep")
+    late = sampled("late", srcs[0], 12, seed=3, n=2, stopping={"ignore_eos": True})
+    soon = time.monotonic() + 1000
+    late.deadline = soon
+    run = Run()
+    for r in (late, greedy("keep", srcs[1], 12, ignore_eos=True)):
+        engine.add(engine.new_request(r))
+    for _ in range(3):
+        run.collect(engine.step())
+    free = engine.kv.free_slots
+    out = engine.expire(now=soon + 1)
+    assert [(s.id, type(e)) for s, e in out] == [("late", DeadlineExceeded)]
+    assert engine.kv.free_slots == free + 2
+    while engine.has_work:
+        run.collect(engine.step())
+    check_idle(engine)
+    assert run.tokens("keep") == want
