@@ -52,7 +52,6 @@ class Seq2SeqBuilder(GraphBuilder):
             for side in ("enc", "dec"):
                 weights[f"{side}_pos_emb.weight"] = weights[f"{side}_pos_emb.weight"][c.position_offset:]
         super().__init__(weights)
-        self.made: set[str] = set()  # initializers already written (a weight can serve twice)
         self.H, self.D = c.n_head, c.d_head
         self.pre = c.norm_placement == "pre"
         self.scale = model.embed_scale
@@ -71,16 +70,6 @@ class Seq2SeqBuilder(GraphBuilder):
         if self.config.embedding_norm:
             x = self.layer_norm(x, f"{side}_emb_norm", f"{side}_x_norm")
         return x
-
-    def param(self, name: str, transpose: bool = False) -> str | None:
-        made = name if not transpose else f"{name}_t"
-        if made in self.made:
-            return made
-        if name not in self.weights:
-            return None
-        w = self.weights[name]
-        self.made.add(made)
-        return self.const(made, w.T if transpose else w)
 
     def heads(self, x: str, perm: list[int], out: str) -> str:
         """(B, T, H·D) -> (B, H, T, D) with perm [0, 2, 1, 3], or keys (B, H, D, T) with [0, 2, 3, 1]."""

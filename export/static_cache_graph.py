@@ -46,16 +46,22 @@ class GraphBuilder:
         self.weights = weights
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.params: set[str] = set()  # weights already written as initializers (a weight may serve twice)
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def param(self, name: str, transpose: bool = False) -> str | None:
+        """The initializer of weight `name` (transposed: `name`_t), written once however often it is used."""
+        made = f"{name}_t" if transpose else name
+        if made in self.params:
+            return made
         if name not in self.weights:
             return None
+        self.params.add(made)
         w = self.weights[name]
-        return self.const(name, w.T if transpose else w)
+        return self.const(made, w.T if transpose else w)
 
     def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> str:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=f"{op}_{len(self.nodes)}", domain=domain,

@@ -41,7 +41,7 @@ def verify_seq2seq(model: EncoderDecoder, bundle, tol: float = 1e-4, seed: int =
         runner.encode(0, sources)
         diff = 0.0
         for layer, (k, v) in enumerate(cross):
-            key, value = runner._state[2 * layer], runner._state[2 * layer + 1]
+            key, value = runner.source_state[2 * layer], runner.source_state[2 * layer + 1]
             for row, n in enumerate(lengths):
                 diff = max(diff, float(np.abs(key[row, :, :, :n] - k[row, :, :n].transpose(-1, -2).numpy()).max()),
                            float(np.abs(value[row, :, :n] - v[row, :, :n].numpy()).max()))

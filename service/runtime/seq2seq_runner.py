@@ -46,7 +46,7 @@ class Seq2SeqRunner(StaticRunner):
         self.pad_id = m.pad_token_id
         self._past_names = self._past_names[:2 * m.n_layer]  # the inputs after them are the cross state
         self._cross_names = cross_kv_names(m.n_layer)
-        self._state: list[np.ndarray] = []
+        self.source_state: list[np.ndarray] = []  # the attached cross keys and values (graph order), then the mask
 
     # ---- per-slot source state --------------------------------------------------------------------
 
@@ -64,12 +64,13 @@ class Seq2SeqRunner(StaticRunner):
 
     def attach(self, buffers: list[np.ndarray], state: list[np.ndarray] | None = None) -> None:
         super().attach(buffers)
-        self._state = state if state is not None else self.slot_state(buffers[0].shape[0])
-        assert len(self._state) == len(self._cross_names) + 1 and self._state[-1].shape[0] == buffers[0].shape[0]
+        self.source_state = state if state is not None else self.slot_state(buffers[0].shape[0])
+        n = buffers[0].shape[0]
+        assert len(self.source_state) == len(self._cross_names) + 1 and self.source_state[-1].shape[0] == n
 
     def _bind_cache(self, binding: ort.IOBinding, first: int, count: int) -> None:
         super()._bind_cache(binding, first, count)
-        for name, buf in zip([*self._cross_names, "encoder_attention_mask"], self._state, strict=True):
+        for name, buf in zip([*self._cross_names, "encoder_attention_mask"], self.source_state, strict=True):
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf[first:first + count]))
 
     # ---- sources in -------------------------------------------------------------------------------
@@ -77,8 +78,8 @@ class Seq2SeqRunner(StaticRunner):
     def encode(self, first_slot: int, sources: list[list[int]]) -> None:
         """Run the encoder over `sources` (padded together) and write their state into consecutive slots."""
         k, width = len(sources), max(len(src) for src in sources)
-        if width > self._state[-1].shape[1]:
-            raise ValueError(f"a source of {width} tokens exceeds the {self._state[-1].shape[1]} each slot holds")
+        if width > self.source_state[-1].shape[1]:
+            raise ValueError(f"a source of {width} tokens exceeds the {self.source_state[-1].shape[1]} each slot holds")
         ids = np.full((k, width), self.pad_id, dtype=np.int64)
         mask = np.zeros((k, width), dtype=np.int64)
         for i, src in enumerate(sources):
@@ -86,13 +87,13 @@ class Seq2SeqRunner(StaticRunner):
             mask[i, :len(src)] = 1
         outputs = self.encoder.run(self._cross_names, {"input_ids": ids, "attention_mask": mask})
         rows = slice(first_slot, first_slot + k)
-        for name, out, buf in zip(self._cross_names, outputs, self._state[:-1], strict=True):
+        for name, out, buf in zip(self._cross_names, outputs, self.source_state[:-1], strict=True):
             if name.endswith("key"):
                 buf[rows, :, :, :width] = out
             else:
                 buf[rows, :, :width] = out
-        self._state[-1][rows] = 0
-        self._state[-1][rows, :width] = mask
+        self.source_state[-1][rows] = 0
+        self.source_state[-1][rows, :width] = mask
 
     def prefill_batch(self, first_slot: int, prompts: list[list[int]], every_position: bool = False) -> np.ndarray:
         """Encode each source (a prompt, for the engine) into its slot and decode the decoder start token at
