@@ -24,12 +24,12 @@ def run_async(coro, timeout: float = TIMEOUT):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def until(condition, timeout: float = 10.0) -> None:
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.002)
-
-    await asyncio.wait_for(poll(), timeout)
+async def until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `condition` on the loop until it holds: what the engine thread publishes settles a step later."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
 
 
 def async_engine(make_engine, **config) -> AsyncEngine:
@@ -386,10 +386,16 @@ def test_submit_and_cancel_hammered_from_many_tasks(make_engine):
         ae = async_engine(make_engine, max_running=6, max_waiting=3, max_batch_tokens=48)
         outcomes: list[str] = []
         await asyncio.gather(*(client(ae, i, outcomes) for i in range(64)))
-        await until(lambda: ae.in_flight == 0 and ae.stats().running_sequences == 0)
+        # a prompt's first token reaches the loop mid-step, before the step's stats are published: a request
+        # cancelled on it leaves `in_flight` at once while the published stats still count it as waiting,
+        # until the engine thread has taken the abort. Wait for the counts asserted below.
+        await until(lambda: ae.in_flight == 0 and settled(ae.stats()), what="every count back to idle")
         stats = ae.stats()
         await ae.shutdown()
         return ae, outcomes, stats
+
+    def settled(s) -> bool:
+        return (s.running_requests, s.waiting_requests, s.kv_free_slots) == (0, 0, s.kv_slots)
 
     ae, outcomes, stats = run_async(main(), timeout=120)
     assert "accepted" in outcomes and "refused" in outcomes and len(outcomes) == 64 * 6
