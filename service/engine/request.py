@@ -172,7 +172,9 @@ class GenerationRequest:
             raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
         _int_range("n", self.n, 1, limits.max_n)
         _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
-        _int_range("stopping.max_new_tokens", st.max_new_tokens, 1, min(limits.max_new_tokens, n_ctx - 1))
+        longest = min(limits.max_new_tokens, n_ctx - 1)
+        if not _is_int(st.max_new_tokens) or st.max_new_tokens < 1:  # what is too long is judged with the prompt
+            raise InvalidRequest("stopping.max_new_tokens", f"{st.max_new_tokens!r} is outside [1, {longest}]")
         _int_range("stopping.min_new_tokens", st.min_new_tokens, 0, st.max_new_tokens)
         for i, t in enumerate(st.stop_token_ids):
             _int_range(f"stopping.stop_token_ids[{i}]", t, 0, vocab_size - 1)
@@ -181,24 +183,50 @@ class GenerationRequest:
         for i, t in enumerate(self.prompt_token_ids):
             if not (isinstance(t, int) and 0 <= t < vocab_size):
                 raise InvalidRequest(f"prompt_token_ids[{i}]", f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
-        if limits.encoder_decoder:
+        if limits.encoder_decoder:  # the source takes no room from the target
+            _int_range("stopping.max_new_tokens", st.max_new_tokens, 1, longest)
             if len(self.prompt_token_ids) > limits.max_prompt_tokens:
                 if not self.truncate_prompt:
                     raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens exceed the longest source "
                                          f"of {limits.max_prompt_tokens} tokens; shorten it")
                 self.prompt_token_ids = self.prompt_token_ids[-limits.max_prompt_tokens:]
             return
-        room = min(n_ctx - st.max_new_tokens, limits.max_prompt_tokens)
-        if len(self.prompt_token_ids) > room:
+        self._fit_context(n_ctx, limits)
+
+    def _fit_context(self, n_ctx: int, limits: EngineLimits) -> None:
+        """The prompt and max_new_tokens must fit the context together (a prompt that may be truncated is cut
+        to make room), and each its own limit."""
+        prompt, max_new = len(self.prompt_token_ids), self.stopping.max_new_tokens
+        if max_new >= n_ctx or (prompt + max_new > n_ctx and not self.truncate_prompt):
+            # no prompt fits beside max_new_tokens: that is the field to change; otherwise the prompt is
+            raise InvalidRequest("stopping.max_new_tokens" if max_new >= n_ctx else "prompt",
+                                 context_exceeded(prompt, max_new, n_ctx))
+        if max_new > limits.max_new_tokens:
+            raise InvalidRequest("stopping.max_new_tokens",
+                                 f"{max_new} is outside [1, {limits.max_new_tokens}] (the server's limit)")
+        room = min(n_ctx - max_new, limits.max_prompt_tokens)
+        if prompt > room:
             if not self.truncate_prompt:
-                raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens + max_new_tokens "
-                                     f"{st.max_new_tokens} exceed the model context of {n_ctx} tokens "
-                                     f"(prompt limit {limits.max_prompt_tokens}); shorten it or lower max_new_tokens")
+                raise InvalidRequest("prompt", f"{prompt} tokens exceed the server's prompt limit of "
+                                     f"{limits.max_prompt_tokens} tokens; shorten it")
             self.prompt_token_ids = self.prompt_token_ids[-room:]
 
 
+def context_exceeded(prompt: int, max_new: int, n_ctx: int) -> str:
+    """The context error as vLLM and OpenAI put it, with the changes that would make the request fit."""
+    fixes = [f"lower max_new_tokens to at most {n_ctx - prompt}"] if prompt < n_ctx else []
+    fixes += [f"shorten the prompt to at most {n_ctx - max_new} token{'s' * (n_ctx - max_new > 1)}"] \
+        if max_new < n_ctx else []
+    return (f"prompt {prompt} tokens + max_new_tokens {max_new} exceed the context of {n_ctx}; "
+            + (" or ".join(fixes) or f"the prompt and max_new_tokens together may take at most {n_ctx} tokens"))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int_range(name: str, value: int, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not _is_int(value) or not low <= value <= high:
         raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")
 
 

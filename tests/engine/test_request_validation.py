@@ -131,6 +131,35 @@ def test_max_prompt_tokens_and_max_new_tokens_caps(make_engine):
     assert len(drive(engine).tokens("p")) == 5
 
 
+
+# (prompt tokens, max_new_tokens) as functions of the context; the field named; the hint
+CONTEXT_ERRORS = [
+    (lambda n: (5, n), "stopping.max_new_tokens", lambda n: f"lower max_new_tokens to at most {n - 5}"),
+    (lambda n: (5, n - 3), "prompt",
+     lambda n: f"lower max_new_tokens to at most {n - 5} or shorten the prompt to at most 3 tokens"),
+    (lambda n: (n, 1), "prompt", lambda n: f"shorten the prompt to at most {n - 1} tokens"),
+    (lambda n: (n, n), "stopping.max_new_tokens", lambda n: f"together may take at most {n} tokens"),
+]
+
+
+@pytest.mark.parametrize("sizes,field,hint", CONTEXT_ERRORS)
+def test_the_context_error_counts_the_prompt_and_max_new_tokens(engine, engine_model, sizes, field, hint):
+    n_ctx = engine_model.n_ctx
+    prompt, max_new = sizes(n_ctx)
+    with pytest.raises(InvalidRequest) as e:
+        engine.new_request(greedy("c", [1] * prompt, max_new))
+    assert e.value.field == field
+    assert f"prompt {prompt} tokens + max_new_tokens {max_new} exceed the context of {n_ctx}; " in str(e.value)
+    assert str(e.value).endswith(hint(n_ctx)), str(e.value)
+
+
+def test_the_servers_own_limits_are_named_as_such(make_engine):
+    engine = make_engine(max_prompt_tokens=10, max_new_tokens=5)
+    with pytest.raises(InvalidRequest, match=r"stopping.max_new_tokens: 6 is outside \[1, 5\] \(the server's limit\)"):
+        engine.new_request(greedy("p", [1, 2], 6))
+    with pytest.raises(InvalidRequest, match="prompt: 11 tokens exceed the server's prompt limit of 10 tokens"):
+        engine.new_request(greedy("p", list(range(1, 12)), 5))
+
 def test_a_refused_request_does_not_disturb_the_engine(engine, make_engine):
     engine.add(engine.new_request(greedy("ok", [4, 5, 6], 8)))
     engine.step()

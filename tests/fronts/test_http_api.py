@@ -267,6 +267,35 @@ def test_chat_without_a_template_is_a_400_that_says_so(api):
     assert "chat template" in e.value.body["message"] and e.value.body["param"] == "messages"
 
 
+
+@pytest.mark.parametrize("max_tokens,param", [("context", "max_tokens"), ("room + 1", "prompt")])
+def test_max_tokens_past_the_context_says_the_prompt_the_max_tokens_and_the_context(api, engine_model, max_tokens,
+                                                                                     param):
+    """LangChain's OpenAI class asks for 256 on a context of 256: the 400 says the limit is the context less the
+    prompt, in OpenAI's error shape, whether max_tokens alone is too large or only with the prompt."""
+    n_ctx = engine_model.n_ctx
+    asked = n_ctx if max_tokens == "context" else n_ctx - 4
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="", prompt=[5] * 5, max_tokens=asked)
+    error = e.value.body
+    assert e.value.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == param
+    assert f"prompt 5 tokens + max_tokens {asked} exceed the context of {n_ctx}; lower max_tokens to at most " \
+           f"{n_ctx - 5}" in error["message"], error
+    assert "max_new_tokens" not in error["message"]
+    assert api.completions.create(model="", prompt=[5] * 5, max_tokens=n_ctx - 5).usage.prompt_tokens == 5
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_past_the_context_names_the_field_the_client_sent(chat_server, engine_model, field):
+    n_ctx = engine_model.n_ctx
+    with oai(chat_server) as api, Client(chat_server.address) as grpc:
+        prompt = len(grpc.tokenize(rendered(MESSAGES)).token_ids)
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model="", messages=MESSAGES, **{field: n_ctx})
+    error = e.value.body
+    assert e.value.status_code == 400 and error["param"] == field
+    assert f"prompt {prompt} tokens + {field} {n_ctx} exceed the context of {n_ctx}" in error["message"], error
+
 # ---- errors --------------------------------------------------------------------------------------
 
 def raw(srv: ServerThread, method: str, path: str, body=None, **kwargs) -> httpx2.Response:

@@ -67,7 +67,21 @@ def test_invalid_field_is_named_with_its_range(client, engine_model, field, fiel
         assert e.value.details().startswith(field + ":"), e.value.details()
     numeric = not any(isinstance(v, (str, list)) for v in fields.values()) and "n" != field
     if numeric and "nan" not in repr(fields) and "inf" not in repr(fields):
-        assert "outside" in e.value.details()
+        assert "outside" in e.value.details() or "exceed the context of" in e.value.details()
+
+
+@pytest.mark.parametrize("max_new", ["context", "room + 1"])
+def test_prompt_and_max_new_tokens_past_the_context_say_both_and_the_context(client, engine_model, max_new):
+    """The limit is the context less the prompt: a 5-token prompt leaves room for n_ctx - 5 new tokens."""
+    n_ctx = engine_model.n_ctx
+    max_new_tokens = n_ctx if max_new == "context" else n_ctx - 4
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([5] * 5, max_new_tokens=max_new_tokens)
+    assert e.value.code() is CODE.INVALID_ARGUMENT
+    assert f"prompt 5 tokens + max_new_tokens {max_new_tokens} exceed the context of {n_ctx}" in e.value.details()
+    assert f"lower max_new_tokens to at most {n_ctx - 5}" in e.value.details()
+    assert len(client.generate([5] * 5, max_new_tokens=n_ctx - 5, ignore_eos=True).completions[0].token_ids) \
+        == n_ctx - 5
 
 
 @pytest.mark.parametrize("request_,field", [
