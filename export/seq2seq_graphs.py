@@ -126,14 +126,11 @@ class Seq2SeqBuilder(GraphBuilder):
         c = self.config
         if self.pre:
             x = self.layer_norm(x, "dec_norm", "dec_final")
-        head = self.decoder_embedding() if c.tie_embeddings else self.weights["lm_head.weight"]
-        y = self.node("MatMul", [x, self.const("lm_head_t", np.ascontiguousarray(head.T))],
+        # the state dict holds the head tied or not: tied, it is the decoder's embedding again
+        y = self.node("MatMul", [x, self.param("lm_head.weight", transpose=True)],
                       ["logits" if not c.final_logits_bias else "logits_mm"])
         if c.final_logits_bias:
-            self.node("Add", [y, self.const("logits_bias", self.weights["logits_bias"])], ["logits"])
-
-    def decoder_embedding(self) -> np.ndarray:
-        return self.weights["tok_emb.weight" if self.config.share_embeddings else "dec_tok_emb.weight"]
+            self.node("Add", [y, self.param("logits_bias")], ["logits"])
 
 
 def finish(b: GraphBuilder, name: str, inputs: list, outputs: list) -> onnx.ModelProto:

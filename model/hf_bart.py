@@ -6,7 +6,9 @@ token embedding shared by the encoder, the decoder and the output head. Its sepa
 projections are stacked into our `qkv_proj` (queries, keys, values); every other tensor maps one to
 one (Linear weights are (out, in) on both sides):
 
-    model.shared                                   tok_emb                  (also the decoder's and the head)
+    model.shared                                   tok_emb                  (tied: also the decoder's and the head)
+    model.{encoder,decoder}.embed_tokens           tok_emb, dec_tok_emb     (untied: each side's own)
+    lm_head                                        lm_head                  (untied)
     model.{encoder,decoder}.embed_positions        {enc,dec}_pos_emb        (rows 0-1 unused: position_offset 2)
     model.{encoder,decoder}.layernorm_embedding    {enc,dec}_emb_norm
     model.encoder.layers.i.self_attn.{q,k,v}_proj  encoder.i.self_attn.qkv_proj
@@ -18,10 +20,16 @@ one (Linear weights are (out, in) on both sides):
     model.decoder.layers.i.final_layer_norm        decoder.i.norms.2
     final_logits_bias (1, vocab)                   logits_bias (vocab)
 
+With `tie_word_embeddings` false the head is `lm_head`, its own weight. transformers 5 then unties the
+two sides' `embed_tokens` from `shared` as well, and reads each; transformers 4 kept both sides on
+`shared` and saved only that, so a side without its own table reads `shared`. Equal tables on the two
+sides become our one `tok_emb`, different ones `tok_emb` and `dec_tok_emb`.
+
 Export writes our model the other way when BART can express it: post-LN, an embedding norm, one
-shared and tied embedding, the same heads and feed-forward width on both sides. Sinusoidal
-positions become BART's learned table holding the sinusoids (rows 2 onwards); a model without a
-logits bias gets BART's zeros.
+shared embedding, the same heads and feed-forward width on both sides. An untied head is written as
+`lm_head` with `tie_word_embeddings` false, and the shared table also as both sides' `embed_tokens`,
+so that transformers 4 and 5 read the same model. Sinusoidal positions become BART's learned table
+holding the sinusoids (rows 2 onwards); a model without a logits bias gets BART's zeros.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ class Unsupported(ValueError):
     """A checkpoint option, or a model, the other side cannot express; the message names it."""
 
 
-def config_from_hf(hf: dict) -> Seq2SeqConfig:
+def config_from_hf(hf: dict, hf_state: dict[str, torch.Tensor]) -> Seq2SeqConfig:
+    """The config of a BART: from its config.json, and from its weights whether the two sides' token
+    embeddings are one table."""
     for ours, theirs in (("heads", ("encoder_attention_heads", "decoder_attention_heads")),
                          ("feed-forward widths", ("encoder_ffn_dim", "decoder_ffn_dim"))):
         if hf[theirs[0]] != hf[theirs[1]]:
@@ -54,15 +64,19 @@ def config_from_hf(hf: dict) -> Seq2SeqConfig:
         raise Unsupported(f"activation_function {act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
     if hf.get("normalize_before") or hf.get("add_final_layer_norm"):
         raise Unsupported("pre-LN BART variants (mBART's normalize_before, add_final_layer_norm) are not supported")
-    if not hf.get("tie_word_embeddings", True):
-        raise Unsupported("an output head untied from the shared embedding is not supported")
+    tied = bool(hf.get("tie_word_embeddings", True))
+    s = unprefixed(hf_state)
+    if not tied and "lm_head.weight" not in s:
+        raise ValueError("tie_word_embeddings is false, yet the checkpoint has no lm_head.weight")
+    enc, dec = token_embeddings(s, tied)
     return Seq2SeqConfig(
         vocab_size=hf["vocab_size"], n_src_ctx=hf["max_position_embeddings"], n_tgt_ctx=hf["max_position_embeddings"],
         n_encoder_layer=hf["encoder_layers"], n_decoder_layer=hf["decoder_layers"],
         n_head=hf["encoder_attention_heads"], d_model=hf["d_model"], d_ff=hf["encoder_ffn_dim"],
         norm_placement="post", pos_encoding="learned", position_offset=OFFSET, activation=ACTIVATIONS[act],
-        share_embeddings=True, tie_embeddings=True, scale_embedding=bool(hf.get("scale_embedding", False)),
-        embedding_norm=True, final_logits_bias=True, pad_token_id=hf.get("pad_token_id", 1),
+        share_embeddings=torch.equal(enc, dec), tie_embeddings=tied,
+        scale_embedding=bool(hf.get("scale_embedding", False)), embedding_norm=True, final_logits_bias=True,
+        pad_token_id=hf.get("pad_token_id", 1),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id", 2),
         decoder_start_token_id=hf.get("decoder_start_token_id", 2), architecture="bart")
 
@@ -97,15 +111,31 @@ def attentions(side: str) -> list[tuple[str, str]]:
     return [("self_attn", "self_attn")] + ([("encoder_attn", "cross_attn")] if side == "decoder" else [])
 
 
+def unprefixed(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("model."): v for k, v in hf_state.items()}
+
+
+def token_embeddings(s: dict[str, torch.Tensor], tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder's and the decoder's token tables: `shared` when tied (transformers ties the others to
+    it); untied, each side's own `embed_tokens`, or `shared` where the checkpoint stores only that."""
+    shared = s["shared.weight"] if "shared.weight" in s else s["encoder.embed_tokens.weight"]
+    if tied:
+        return shared, shared
+    return s.get("encoder.embed_tokens.weight", shared), s.get("decoder.embed_tokens.weight", shared)
+
+
 def convert_state_dict(hf_state: dict[str, torch.Tensor], c: Seq2SeqConfig) -> dict[str, torch.Tensor]:
-    s = {k.removeprefix("model."): v for k, v in hf_state.items()}
-    out = {"tok_emb.weight": s["shared.weight"] if "shared.weight" in s else s["encoder.embed_tokens.weight"],
+    s = unprefixed(hf_state)
+    enc, dec = token_embeddings(s, c.tie_embeddings)
+    out = {"tok_emb.weight": enc,
            "logits_bias": s.get("final_logits_bias", torch.zeros(1, c.vocab_size)).reshape(-1),
            "enc_pos_emb.weight": s["encoder.embed_positions.weight"],
            "dec_pos_emb.weight": s["decoder.embed_positions.weight"]}
     out |= {ours: s[theirs] for theirs, ours in layer_pairs(c)}
     out |= {ours: torch.cat([s[name] for name in theirs]) for theirs, ours in qkv_triples(c)}
-    out["lm_head.weight"] = out["tok_emb.weight"]
+    if not c.share_embeddings:
+        out["dec_tok_emb.weight"] = dec
+    out["lm_head.weight"] = dec if c.tie_embeddings else s["lm_head.weight"]
     return {k: v.float() for k, v in out.items()}
 
 
@@ -114,8 +144,7 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], c: Seq2SeqConfig) -> d
 
 def check_expressible(c: Seq2SeqConfig) -> None:
     needs = {"post-LN": c.norm_placement == "post", "a LayerNorm after the embeddings": c.embedding_norm,
-             "one token embedding shared by both sides": c.share_embeddings,
-             "an output head tied to it": c.tie_embeddings, "biases": c.bias,
+             "one token embedding shared by both sides": c.share_embeddings, "biases": c.bias,
              "learned positions starting at row 2, or sinusoidal ones": c.pos_encoding == "sinusoidal"
              or c.position_offset == OFFSET}
     missing = [name for name, ok in needs.items() if not ok]
@@ -136,14 +165,15 @@ def hf_config(c: Seq2SeqConfig) -> dict:
             "pad_token_id": c.pad_token_id, "bos_token_id": c.bos_token_id if c.bos_token_id is not None
             else c.decoder_start_token_id, "eos_token_id": c.eos_token_id,
             "decoder_start_token_id": c.decoder_start_token_id, "forced_eos_token_id": None,
-            "tie_word_embeddings": True, "torch_dtype": "float32",
+            "tie_word_embeddings": c.tie_embeddings, "torch_dtype": "float32",
             # the layout keys facebook/bart-* configs carry, which CTranslate2's converter reads
             "normalize_before": False, "normalize_embedding": True, "add_final_layer_norm": False,
             "static_position_embeddings": False, "add_bias_logits": False, "extra_pos_embeddings": OFFSET}
 
 
 def hf_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
-    """Our weights under BART's names (the shared embedding once: transformers ties the rest)."""
+    """Our weights under BART's names: the shared embedding once when the head is tied (transformers ties
+    the rest); untied, the head as `lm_head` and copies of the shared table as both sides' `embed_tokens`."""
     c = model.config
     check_expressible(c)
     ours = {k: v.detach().float() for k, v in model.state_dict().items()}
@@ -151,6 +181,9 @@ def hf_state_dict(model: EncoderDecoder) -> dict[str, torch.Tensor]:
     out = {"model.shared.weight": ours["tok_emb.weight"],
            "final_logits_bias": ours["logits_bias"].reshape(1, -1) if c.final_logits_bias
            else torch.zeros(1, c.vocab_size)}
+    if not c.tie_embeddings:  # copies: safetensors refuses tensors that share memory
+        out |= {f"model.{side}.embed_tokens.weight": ours["tok_emb.weight"].clone() for side in ("encoder", "decoder")}
+        out["lm_head.weight"] = ours["lm_head.weight"]
     for side, mine in (("encoder", "enc"), ("decoder", "dec")):
         table = torch.zeros(positions, c.d_model)
         if c.pos_encoding == "sinusoidal":

@@ -173,7 +173,8 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
 
 def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
     """A BART checkpoint -> an encoder-decoder model directory (byte-level BPE tokenizer.json required)."""
-    config = hf_bart.config_from_hf(hf)
+    hf_state = read_hf_weights(src)
+    config = hf_bart.config_from_hf(hf, hf_state)
     gen = src / "generation_config.json"
     if gen.is_file():  # the ids generation uses, where they differ from config.json's
         ids = json.loads(gen.read_text())
@@ -184,7 +185,7 @@ def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
         raise FileNotFoundError(f"{src} has no tokenizer.json (save the tokenizer with transformers to get one)")
     tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
     model = EncoderDecoder(config)
-    model.load_state_dict(hf_bart.convert_state_dict(read_hf_weights(src), config), strict=True)
+    model.load_state_dict(hf_bart.convert_state_dict(hf_state, config), strict=True)
     out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{hf_bart.ARCHITECTURE}"})
     for name in TOKENIZER_EXTRAS:
         if (src / name).is_file():
