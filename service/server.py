@@ -34,6 +34,7 @@ from service.fronts.grpc.servicer import SERVICE_NAME, TextGenerationService
 from service.fronts.http.app import HttpFront
 from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
+from service.fronts.ports import ensure_bindable, port_error
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
@@ -79,10 +80,14 @@ class Server:
         await self._set_health(NOT_SERVING)
         credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         address = f"{s.host}:{s.port}"
-        self.port = (self.grpc.add_secure_port(address, credentials) if credentials
-                     else self.grpc.add_insecure_port(address))
+        ensure_bindable("port", s.host, s.port)  # grpc's own error says only "Failed to bind"
+        try:
+            self.port = (self.grpc.add_secure_port(address, credentials) if credentials
+                         else self.grpc.add_insecure_port(address))
+        except RuntimeError as e:  # taken since the check
+            raise port_error("port", s.host, s.port, str(e)) from None
         if self.port == 0:
-            raise OSError(f"cannot bind the gRPC port {s.host}:{s.port}")
+            raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
         if self.http is not None:
             self.http_port = await self.http.start()

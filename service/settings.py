@@ -117,12 +117,18 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | s
         raise SettingsError(f"config file {config_file}: {e}") from None
 
 
+def flag_and_env(name: str) -> tuple[str, str]:
+    """A setting's command-line flag and environment variable: `--http-port`, `ATTNSERVE_HTTP_PORT`."""
+    return "--" + name.replace("_", "-"), ENV_PREFIX + name.upper()
+
+
 def describe_errors(error: ValidationError) -> str:
     """One line per bad setting: its name, the env var that sets it, the value and what is allowed."""
     lines = []
     for err in error.errors():
         name = ".".join(str(p) for p in err["loc"]) or "settings"
-        where = f" (--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()})" if err["loc"] else ""
+        flag, env = flag_and_env(name)
+        where = f" ({flag} / {env})" if err["loc"] else ""
         got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
         lines.append(f"{name}{where}: {err['msg'].removeprefix('Value error, ')}{got}")
     return "\n".join(lines)
@@ -135,10 +141,10 @@ def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help=f"TOML or JSON settings file (env {CONFIG_ENV}); flags and env "
                                                "variables override it")
     for name, info in ServerSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag, env = flag_and_env(name)
         default = info.get_default(call_default_factory=True)
         shown = "unset" if default is None else str(default)
-        help_ = f"{info.description} [default: {shown}; env {ENV_PREFIX}{name.upper()}]"
+        help_ = f"{info.description} [default: {shown}; env {env}]"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         if info.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)

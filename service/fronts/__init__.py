@@ -7,4 +7,5 @@
     auth.py          the bearer token check and PEM reading
     status.py        engine errors -> each protocol's status codes, the one table
     metrics.py       Prometheus metrics, on their own port, labelled by protocol
+    ports.py         a port that cannot be bound, named with the setting that changes it
 """

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from service.engine.core import EngineStats
+from service.fronts.ports import port_error
 
 # 1 ms .. 60 s: a token step on a small model is ~1 ms, a long queue wait tens of seconds.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,7 +61,10 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server on a daemon thread; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise port_error("metrics_port", host, port, e) from None
         return self._http.server_port
 
     def close(self) -> None:

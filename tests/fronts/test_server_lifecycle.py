@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -256,6 +257,26 @@ def test_start_up_refuses_a_graph_that_fails_the_self_check_in_one_line(wrong_in
     assert len(errors) == 1 and "start-up failed: graph 'static-int8'" in errors[0], out.stderr[-2000:]
     assert "--graph static" in errors[0] and "Traceback" not in out.stderr
 
+
+
+@pytest.mark.parametrize("setting,what,zero", [("port", "gRPC", "any free port"), ("http_port", "HTTP", "no HTTP front"),
+                                               ("metrics_port", "metrics", "no metrics server")])
+def test_a_taken_port_stops_start_up_in_one_line_naming_its_setting(setting, what, zero):
+    ports = {"port": "0", "http_port": "0", "metrics_port": "0"}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        ports[setting] = str(taken)
+        out = serve("--bundle", str(ROOT / "no-bundle-needed"), "--port", ports["port"], "--http-port",
+                    ports["http_port"], "--metrics-port", ports["metrics_port"])
+    flag, env = "--" + setting.replace("_", "-"), "ATTNSERVE_" + setting.upper()
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, out.stderr[-2000:]
+    assert errors[0].endswith(f"start-up failed: cannot bind the {what} port 127.0.0.1:{taken}: Address already in use; "
+                              f"choose another with {flag} or {env} (0 = {zero})"), errors[0]
+    assert "Traceback" not in out.stderr and "GRPC_VERBOSITY" not in out.stderr and "Failed to" not in out.stderr
 
 def test_help_lists_every_setting_with_its_default():
     from service.settings import ServerSettings

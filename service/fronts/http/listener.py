@@ -1,7 +1,7 @@
 """The HTTP front's listener: uvicorn, in the server's own event loop, beside gRPC.
 
     listener = HttpListener(app, settings)
-    port = await listener.start()     # bound and accepting; raises OSError if the port is taken
+    port = await listener.start()     # bound and accepting; PortUnavailable if the port is taken
     await listener.stop()             # stop accepting, let responses in progress finish
 
 The socket is bound here, not by uvicorn, so a port in use is an error the server reports at start-up
@@ -20,6 +20,7 @@ import ssl
 import uvicorn
 
 from service.fronts.auth import read_pem
+from service.fronts.ports import port_error
 from service.settings import ServerSettings
 
 STOP_GRACE_S = 5  # after the drain: connections still open are closed after this long
@@ -63,7 +64,7 @@ class HttpListener:
             sock.bind((host, port))
         except OSError as e:
             sock.close()
-            raise OSError(f"cannot bind the HTTP port {host}:{port}: {e.strerror or e}") from None
+            raise port_error("http_port", host, port, e) from None
         sock.set_inheritable(True)
         self._socket = sock
         self.port = sock.getsockname()[1]
