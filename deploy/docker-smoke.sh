@@ -120,14 +120,14 @@ CONTAINER=$(docker run -d --network=host --read-only --tmpfs /tmp --name "$NAME"
     -e ATTNSERVE_PORT="$port" -e ATTNSERVE_HTTP_PORT="$hport" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
 address=127.0.0.1:$port
 for i in $(seq 120); do
-    if "$PYTHON" -m service.client.health_probe --address "$address" >/dev/null 2>&1; then break; fi
+    if "$PYTHON" -m service.client.health_probe --server "$address" >/dev/null 2>&1; then break; fi
     if [ "$(docker inspect -f '{{.State.Running}}' "$CONTAINER")" != true ]; then
         docker logs "$CONTAINER" >&2; say "FAILED: the container exited before SERVING"; exit 1
     fi
     [ "$i" = 120 ] && { docker logs "$CONTAINER" >&2; say "FAILED: not SERVING after 60 s"; exit 1; }
     sleep 0.5
 done
-say "health: $("$PYTHON" -m service.client.health_probe --address "$address")"
+say "health: $("$PYTHON" -m service.client.health_probe --server "$address")"
 for i in $(seq 90); do
     status=$(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER")
     [ "$status" = healthy ] && break

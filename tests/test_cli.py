@@ -42,3 +42,9 @@ def test_a_training_command_without_its_extra_says_what_to_install():
     assert out.stderr.strip().splitlines() == [
         "attnserve train: needs torch, which this install lacks (the serving install leaves it out); "
         "install the extra: pip install 'attnserve[train]'"]
+
+
+@pytest.mark.parametrize("command", ["generate", "health"])
+def test_commands_that_reach_a_server_take_its_address_as_server(command):
+    out = subprocess.run([sys.executable, "-m", "attnserve", command, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--server HOST:PORT" in out.stdout, out.stderr

@@ -1,7 +1,7 @@
 """`attnserve health`: exit 0 if a server's gRPC health service reports SERVING, 1 otherwise.
 
     attnserve health                          # 127.0.0.1:$ATTNSERVE_PORT (default 50051)
-    attnserve health --address host:50051 --service attnserve.v1.TextGeneration
+    attnserve health --server host:50051 --service attnserve.v1.TextGeneration
 
 The container's HEALTHCHECK runs it. It needs only grpcio and the health stubs.
 """
@@ -28,7 +28,10 @@ def check(address: str, service: str = "", timeout_s: float = 3.0,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve health", description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default=f"127.0.0.1:{os.environ.get('ATTNSERVE_PORT', '50051')}")
+    # --server, as in `attnserve generate`; --address, its earlier name, still works
+    p.add_argument("--server", "--address", metavar="HOST:PORT",
+                   default=f"127.0.0.1:{os.environ.get('ATTNSERVE_PORT', '50051')}",
+                   help="the server's gRPC address (default: 127.0.0.1:$ATTNSERVE_PORT, else 50051)")
     p.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     p.add_argument("--tls-ca", metavar="PEM", default=os.environ.get("ATTNSERVE_HEALTH_TLS_CA"),
@@ -42,14 +45,14 @@ def main(argv: list[str] | None = None) -> int:
             from service.client.grpc_client import channel_credentials
 
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-        status = check(args.address, args.service, args.timeout, credentials)
+        status = check(args.server, args.service, args.timeout, credentials)
     except grpc.RpcError as e:
-        print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"{args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
-        print(f"{args.address}: {e}", file=sys.stderr)
+        print(f"{args.server}: {e}", file=sys.stderr)
         return 1
-    print(f"{args.address}: {status}")
+    print(f"{args.server}: {status}")
     return 0 if status == "SERVING" else 1
 
 

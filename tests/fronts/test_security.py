@@ -135,7 +135,7 @@ def test_cli_generate_with_token_and_tls(tls_server, token_server, pki):
     refused = run("--server", token_server.address, "--token", "nope")
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
     assert run("--server", tls_server.address, "--tls-ca", str(pki["ca"].cert_file)).returncode == 0
-    health = subprocess.run([sys.executable, "-m", "attnserve.cli", "health", "--address", tls_server.address,
+    health = subprocess.run([sys.executable, "-m", "attnserve.cli", "health", "--server", tls_server.address,
                              "--tls-ca", str(pki["ca"].cert_file)], capture_output=True, text=True, timeout=60)
     assert health.returncode == 0 and "SERVING" in health.stdout
 

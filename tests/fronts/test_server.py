@@ -235,9 +235,11 @@ def test_cli_generate_against_the_server(server, client):
 
 
 def test_health_probe_command(server):
-    ok = subprocess.run([sys.executable, "-m", "attnserve", "health", "--address", server.address],
-                        capture_output=True, text=True, timeout=60)
-    assert ok.returncode == 0 and "SERVING" in ok.stdout
-    down = subprocess.run([sys.executable, "-m", "attnserve", "health", "--address", f"127.0.0.1:{free_port()}",
+    """`--server` as in `attnserve generate`; `--address`, its earlier name, still works."""
+    for flag in ("--server", "--address"):
+        ok = subprocess.run([sys.executable, "-m", "attnserve", "health", flag, server.address],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and ok.stdout == f"{server.address}: SERVING\n", (flag, ok.stderr)
+    down = subprocess.run([sys.executable, "-m", "attnserve", "health", "--server", f"127.0.0.1:{free_port()}",
                            "--timeout", "1"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
