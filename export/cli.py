@@ -24,6 +24,7 @@ from export.bundle_writer import (
     stamp_metadata,
     weights_hash,
 )
+from export.known_warnings import known_warnings_silenced
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import INT4, INT8, convert_fp16, node_count, optimize, quantize
@@ -116,6 +117,7 @@ def export_encoder_decoder(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+@known_warnings_silenced()
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (args.model_dir / CONFIG_FILE).is_file() and is_seq2seq(args.model_dir / CONFIG_FILE):
