@@ -10,6 +10,8 @@ and measured against it, on this CPU; each 4-bit one once per block size of `--b
 - greedy agreement: 16 prompts cut from the held-out text, 64 greedy tokens each; how many of the
   continuations are identical to fp32's, and the mean number of tokens before the first difference;
 - top-1 agreement on the start-up self-check's probe (`service.runtime.self_check`);
+- batch invariance, as the self-check probes it: whether rows' logits are the same bits alone and
+  among other rows of other lengths;
 - decode step time at batch 1 and 32 against fp32, in interleaved rounds, medians;
 - batch 1 against the memory-bandwidth bound: tokens/s, the bytes of weights a step reads
   (`bench.roofline.weight_bytes_per_token`) and the tokens/s this machine's read bandwidth
@@ -47,7 +49,7 @@ from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import read_manifest, write_manifest
 from service.runtime.graph_choice import decode_step_ms
-from service.runtime.self_check import agreement, logits_at_every_position, probe_sequences
+from service.runtime.self_check import agreement, batch_invariance, logits_at_every_position, probe_sequences
 from service.runtime.static_runner import StaticRunner
 
 ONNX_DOC = ROOT / "docs" / "onnx.md"  # the tables also stand where the format is chosen
@@ -113,6 +115,12 @@ def measure_quality(bundle: Path, graphs: list[str], threads: int, held_out: tup
                    "probe_top1": agreement(runner, ref, probe).top1}
         print(f"{g:>18}: {json.dumps(rows[g])}", flush=True)
     return rows
+
+
+def measure_invariance(bundle: Path, graphs: list[str], threads: int) -> dict[str, dict]:
+    probe = probe_sequences(StaticRunner(bundle, REFERENCE, provider="cpu", intra_op_threads=threads))
+    return {g: {"batch_invariant": batch_invariance(StaticRunner(bundle, g, provider="cpu", intra_op_threads=threads),
+                                                    probe).identical} for g in graphs}
 
 
 def measure_speed(bundle: Path, graphs: list[str], quick: bool, threads: int) -> dict[str, dict]:
@@ -202,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         held_out = held_out_ids(StaticRunner(work, REFERENCE, provider="cpu").tokenizer)
         rows = {g: {} for g in graphs} if args.gpt2_shape else measure_quality(
             work, graphs, args.threads, held_out, **(QUICK if args.quick else FULL))
-        for g, speed in measure_speed(work, graphs, args.quick, args.threads).items():
-            rows[g].update(speed)
+        for measured in (measure_invariance(work, graphs, args.threads),
+                         measure_speed(work, graphs, args.quick, args.threads)):
+            for g, row in measured.items():
+                rows[g].update(row)
         gb_per_s = read_bandwidth(args.bandwidth_mb, 3 if args.quick else 5)
         roofline(work, rows, gb_per_s)
         emulated = emulated_quality(work, graphs, args.emulate, held_out) if args.emulate else None
@@ -229,6 +239,7 @@ QUALITY = (("held-out bits/char", lambda r, ref: f"{r['bits_per_char']:.4f}"),
            ("identical greedy runs", lambda r, ref: f"{r['greedy_identical']}/{r['greedy_prompts']}"),
            ("mean tokens before a difference", lambda r, ref: f"{r['greedy_mean_prefix']:.1f}"),
            ("probe top-1", lambda r, ref: f"{r['probe_top1']:.1%}"))
+INVARIANCE = (("batch-invariant", lambda r, ref: "yes" if r["batch_invariant"] else "**no**"),)
 SPEED = tuple((f"{label}, batch {b}", fn) for b in BATCHES for label, fn in (
     ("decode ms", lambda r, ref, b=b: f"{r[f'decode_ms_b{b}']:.2f}"),
     ("× fp32", lambda r, ref, b=b: f"{ref[f'decode_ms_b{b}'] / r[f'decode_ms_b{b}']:.2f}×")))
@@ -250,7 +261,8 @@ def render_run(run: dict) -> str:
     quality = "bits_per_char" in run["rows"][REFERENCE]
     lines = [f"#### {machine_line(run['machine'])}; {run['model']}", "", f"`{run['command']}`"
              + (" (quick run: a subset, not a measurement)" if run["quick"] else "") + ".", ""]
-    lines += table(run["rows"], (QUALITY if quality else ()) + SPEED, run.get("exported"))
+    invariance = INVARIANCE if "batch_invariant" in run["rows"][REFERENCE] else ()
+    lines += table(run["rows"], (QUALITY if quality else ()) + invariance + SPEED, run.get("exported"))
     if "read_gb_per_s" in run:
         lines += ["", f"Batch 1 against the memory-bandwidth bound: read bandwidth {run['read_gb_per_s']:.1f} GB/s "
                       "(`bench.bandwidth.read_bandwidth`, every core, measured in the same run) over the bytes of "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from export.variants import INT4, INT8
+from export.variants import INT4, INT8, INT8_PER_TENSOR
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE
 from model.gpt import GPT
 from service.runtime.bundle import (
@@ -25,20 +25,25 @@ from service.runtime.bundle import (
 from service.runtime.tokenizer import Tokenizer
 
 GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.onnx",
-               "static-int4": "model.static.int4.onnx", "fp32": "model.onnx", "optimized": "model.opt.onnx",
+               "static-int8-per-tensor": "model.static.int8-per-tensor.onnx", "static-int4": "model.static.int4.onnx",
+               "fp32": "model.onnx", "optimized": "model.opt.onnx",
                "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
-STATIC_VARIANTS = ("static", "static-int8", "static-int4")
+STATIC_VARIANTS = ("static", "static-int8", "static-int8-per-tensor", "static-int4")
 # weight precision of each variant; the others are float32
-WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "static-int4": INT4.weights,
-                                       "int8": INT8.weights, "fp16": "float16"}
+WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "static-int8-per-tensor": INT8_PER_TENSOR.weights,
+                                       "static-int4": INT4.weights, "int8": INT8_PER_TENSOR.weights, "fp16": "float16"}
 DESCRIPTIONS = {
     "static": "the serving graph: fp32, GroupQueryAttention over a fixed KV buffer updated in place",
-    "static-int8": "the serving graph with dynamic INT8 MatMuls (7-bit weights: no saturation on any CPU), for CPU",
+    "static-int8": "the serving graph with INT8 MatMuls, activations quantized per row (batch-invariant) and 7-bit "
+                   "weights (no saturation on any CPU), for CPU",
+    "static-int8-per-tensor": "the serving graph with onnxruntime's dynamic INT8 MatMuls, one activation scale per "
+                              "batch (not batch-invariant; for comparison), for CPU",
     "static-int4": f"the serving graph with 4-bit MatMulNBits weights (block {INT4.block_size}, int8 activations: "
                    "exact integer products on every CPU), for CPU: the fewest bytes read per token",
     "fp32": "the exported decoder, fp32",
     "optimized": "fp32 with onnxruntime's transformer fusions",
-    "int8": "dynamic INT8 MatMuls (7-bit weights: no saturation on any CPU), for CPU",
+    "int8": "dynamic INT8 MatMuls in standard ops, one activation scale per batch (7-bit weights: no saturation on "
+            "any CPU), for CPU",
     "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
 }
 

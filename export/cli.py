@@ -27,7 +27,7 @@ from export.bundle_writer import (
 from export.known_warnings import known_warnings_silenced
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
-from export.variants import INT4, INT8, convert_fp16, node_count, optimize, quantize
+from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, node_count, optimize, quantize
 from model.checkpoint import CONFIG_FILE, load_model_dir, load_seq2seq_dir
 from model.seq2seq_config import is_seq2seq
 from service.runtime.bundle import sha256_file, write_manifest
@@ -40,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--optimize", action="store_true", help="also write the standard graph with fusions applied")
-    p.add_argument("--int8", action="store_true", help="also write INT8 graphs (CPU; no saturation on any x86-64 CPU)")
+    p.add_argument("--int8", action="store_true",
+                   help="also write INT8 graphs (CPU; activations quantized per row, so batch-invariant; no saturation "
+                        "on any x86-64 CPU)")
+    p.add_argument("--int8-per-tensor", action="store_true",
+                   help="also write static-int8-per-tensor, the serving graph with onnxruntime's dynamic INT8 (one "
+                        "activation scale per batch: not batch-invariant, served only when named), for comparison")
     p.add_argument("--int4", action="store_true",
                    help="also write the 4-bit serving graph (CPU; exact integer products on every x86-64 CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
@@ -54,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, int4: bool = False, fp16: bool = False,
-                  keep_fp32: bool = True, default: str = "static") -> list[str]:
+                  optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False, int4: bool = False,
+                  fp16: bool = False, keep_fp32: bool = True, default: str = "static") -> list[str]:
     """Write the bundle; returns the graph variants written."""
     if not keep_fp32 and not (optimized or int8 or fp16):
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
@@ -68,6 +73,9 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if int8:
         quantize(static, out / GRAPH_FILES["static-int8"], INT8)
         variants.append("static-int8")
+    if int8_per_tensor:
+        quantize(static, out / GRAPH_FILES["static-int8-per-tensor"], INT8_PER_TENSOR)
+        variants.append("static-int8-per-tensor")
     if int4:
         quantize(static, out / GRAPH_FILES["static-int4"], INT4)
         variants.append("static-int4")
@@ -75,7 +83,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
         variants.append("optimized")
     if int8:
-        quantize(fp32, out / GRAPH_FILES["int8"], INT8)
+        quantize(fp32, out / GRAPH_FILES["int8"], INT8_PER_TENSOR)  # the standard graph keeps standard ops
         variants.append("int8")
     if fp16:
         convert_fp16(fp32, out / GRAPH_FILES["fp16"])
@@ -99,7 +107,8 @@ def export_encoder_decoder(args: argparse.Namespace) -> int:
     """An encoder-decoder model directory: its encoder and decoder graphs, fp32 (no other variant yet)."""
     from export.seq2seq_bundle import export_seq2seq_bundle
 
-    asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8", args.int8), ("--int4", args.int4),
+    asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8", args.int8),
+                                   ("--int8-per-tensor", args.int8_per_tensor), ("--int4", args.int4),
                                    ("--fp16", args.fp16)) if on]
     if asked or args.default != "static":
         print(f"attnserve export: {args.model_dir} is an encoder-decoder model, exported as its fp32 encoder and "
@@ -123,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.model_dir / CONFIG_FILE).is_file() and is_seq2seq(args.model_dir / CONFIG_FILE):
         return export_encoder_decoder(args)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
-                             int8=args.int8, int4=args.int4, fp16=args.fp16, keep_fp32=args.keep_fp32,
-                             default=args.default)
+                             int8=args.int8, int8_per_tensor=args.int8_per_tensor, int4=args.int4, fp16=args.fp16,
+                             keep_fp32=args.keep_fp32, default=args.default)
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
     if not args.verify:

@@ -20,7 +20,7 @@ import pytest
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine
-from service.runtime.bundle import ModelSpec, read_manifest
+from service.runtime.bundle import ModelSpec, read_manifest, write_manifest
 from service.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 # fixtures that build a model with torch (directly or through another of them)
 TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
-                            "llama_bundle", "plain_bundle", "wrong_int8_bundle", "seq2seq_model_dir",
+                            "llama_bundle", "plain_bundle", "wrong_int8_bundle", "per_tensor_bundle", "seq2seq_model_dir",
                             "lively_seq2seq_bundle"})
 
 
@@ -172,11 +172,31 @@ def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def lively_bundle(tmp_path_factory, lively_model_dir) -> Path:
-    """The lively model exported with the default graphs: `static` (served) and `fp32` (reference)."""
+    """The lively model exported with the default graphs, `static` (served) and `fp32` (reference), and INT8
+    (`static-int8`, which `--graph auto` may serve)."""
     from export.cli import export_bundle
 
     path = tmp_path_factory.mktemp("engine_bundle")
-    export_bundle(lively_model_dir, path, name="tiny")
+    export_bundle(lively_model_dir, path, name="tiny", int8=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def per_tensor_bundle(tmp_path_factory, tiny_bundle) -> Path:
+    """The tiny bundle plus `static-int8-per-tensor`: onnxruntime's dynamic INT8, one activation scale for
+    the whole batch, so a row's logits depend on the other rows (not batch-invariant)."""
+    import shutil
+
+    from export.bundle_writer import GRAPH_FILES, static_graph_spec
+    from export.variants import INT8_PER_TENSOR, quantize
+
+    path = tmp_path_factory.mktemp("per_tensor") / "bundle"
+    shutil.copytree(tiny_bundle, path)
+    name = "static-int8-per-tensor"
+    quantize(path / GRAPH_FILES["static"], path / GRAPH_FILES[name], INT8_PER_TENSOR)
+    manifest = read_manifest(path)
+    manifest.graphs[name] = static_graph_spec(name, manifest.model.n_layer)
+    write_manifest(path, manifest)
     return path
 
 

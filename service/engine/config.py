@@ -16,6 +16,9 @@ class EngineConfig(BaseModel):
     bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
     graph: str = Field(AUTO_GRAPH, description="graph to serve; auto = the fastest of the bundle's serving graphs "
                                                "that passes the start-up self-check on this CPU")
+    allow_low_agreement: bool = Field(
+        False, description="serve the graph named by graph even if it fails the start-up agreement check with the "
+                           "fp32 graph (a warning says so); for benchmarking untrained weights. Ignored by auto")
     providers: Literal["auto", "cpu", "cuda"] = Field(
         "cpu", description="onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); "
                            "off the CPU the graph must reproduce the CPU at start-up")

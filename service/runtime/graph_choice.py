@@ -2,10 +2,12 @@
 
     runner = open_serving_graph(bundle, graph)     # graph: a name, or "auto" (the default)
 
-A named graph is opened and must pass the self-check (`service.runtime.self_check`); if it fails, start-up
-stops. With "auto", every static-cache graph of the bundle is a candidate:
-1. each reduced-precision candidate is checked against the fp32 graph; one that fails is dropped
-   with a warning that says why;
+A named graph is opened and must agree with the fp32 graph (`service.runtime.self_check`); if it does not,
+start-up stops, unless `allow_low_agreement` serves it anyway with a warning. A named graph that is not
+batch-invariant is served with one warning line saying what is lost. With "auto", every static-cache
+graph of the bundle is a candidate:
+1. each candidate is self-checked: a reduced-precision one against the fp32 graph, every one for
+   batch invariance; one that fails either is dropped with a warning that says why;
 2. the rest decode `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
    `TIMING_ROUNDS` interleaved rounds (so a noisy neighbour slows every candidate alike);
 3. the one with the lowest geometric mean of its two median step times is served, and the log
@@ -30,7 +32,7 @@ import numpy as np
 
 from service.runtime.bundle import AUTO_GRAPH, BundleError, read_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import Agreement, check
+from service.runtime.self_check import SelfCheck, check
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import Provider
 from service.runtime.static_runner import StaticRunner
@@ -48,7 +50,7 @@ PRECISION_RANK = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}
 @dataclass
 class Candidate:
     runner: StaticRunner
-    agreement: Agreement | None  # None: the fp32 graph on the CPU, nothing to check
+    checked: SelfCheck | None
     step_ms: dict[int, float]  # batch size -> median decode step time
 
     @property
@@ -56,15 +58,18 @@ class Candidate:
         return math.exp(statistics.fmean(math.log(t) for t in self.step_ms.values()))
 
     def describe(self) -> str:
-        times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items())
-        agreed = f"; top-1 agreement {self.agreement.top1:.1%}" if self.agreement else ""
-        return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}"
+        times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items()) or "not timed"
+        agreed = self.checked and self.checked.agreement
+        agreed = f"; top-1 agreement {agreed.top1:.1%}" if agreed else ""
+        invariant = "; batch-invariant" if self.checked and self.checked.invariance.identical else ""
+        return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}{invariant}"
 
 
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
-                       max_batch: int = MAX_TIMING_BATCH) -> StaticRunner:
+                       max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False) -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
-    "auto" the fastest that passes the self-check, timed at batch 1 and `max_batch` (at most 32)."""
+    "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
+    (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto)."""
     def open_(name: str | None) -> StaticRunner:
         return StaticRunner(bundle, name, provider, threads)
 
@@ -72,25 +77,37 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
         return open_encoder_decoder(bundle, graph, provider, threads)
     if graph != AUTO_GRAPH:
         runner = open_(graph)
-        check(runner)
+        if not check(runner, allow_low_agreement=allow_low_agreement).invariance.identical:
+            log.warning("graph %s is not batch-invariant on this CPU: a request's tokens, greedy or seeded, can "
+                        "change with the other requests in its batch; --graph auto serves only graphs that are",
+                        runner.graph_name)
         return runner
     manifest = read_manifest(bundle)
     names = [name for name, spec in manifest.graphs.items() if spec.cache == "static"]
-    if len(names) <= 1:  # nothing to choose (or no static graph: the runner says so)
-        runner = open_(names[0] if names else None)
-        check(runner)
-        return runner
-    runners = [open_(name) for name in names]
+    runners = [open_(name) for name in names] if names else [open_(None)]  # no static graph: the runner says so
     reference = next((r for r in runners if r.spec.weights == "float32" and r.provider == "CPUExecutionProvider"),
                      None)
     candidates = []
     for runner in runners:
         try:
-            candidates.append(Candidate(runner, check(runner, reference), {}))
+            checked = check(runner, reference)
         except BundleError as e:
             log.warning("graph choice: not serving %s: %s", runner.graph_name, e)
+            continue
+        if checked.invariance.identical:
+            candidates.append(Candidate(runner, checked, {}))
+        else:
+            log.warning("graph choice: not serving %s: it is not batch-invariant on this CPU (%s), so a request's "
+                        "tokens would depend on the other requests in its batch; name it with --graph to serve it "
+                        "anyway", runner.graph_name, checked.invariance.describe())
     if not candidates:
-        raise BundleError(f"no graph of {bundle} passes the self-check on this CPU ({cpu_info().describe()})")
+        raise BundleError(f"no graph of {bundle} passes the self-check and is batch-invariant on this CPU "
+                          f"({cpu_info().describe()}); the warnings above say why; name one with --graph to serve "
+                          "it anyway")
+    if len(candidates) == 1:  # nothing to choose
+        log.info("graph choice on %s: serving %s, the only graph that passes the self-check", cpu_info().describe(),
+                 candidates[0].describe())
+        return candidates[0].runner
     time_decode(candidates, min(max_batch, MAX_TIMING_BATCH))
     best = choose(candidates)
     log.info("graph choice on %s: serving %s (the lowest geometric mean of the step times, or the most precise "

@@ -16,6 +16,12 @@ with a fixed seed, `PROBE_TOKENS` tokens each. Both graphs then score every posi
 sequences the way serving runs them: the first half in one prefill, the rest one decode step at a
 time, each reading the cache the steps before wrote (the part another provider could get wrong).
 A check costs a few milliseconds for the default model and leaves no cache attached to either runner.
+
+Every graph, fp32 on the CPU included, is also probed for **batch invariance**: `INVARIANCE_ROWS` rows of
+the probe are scored alone, then inside a batch of all the probe's rows, whose prompts have other lengths
+(a prefill, then decode steps). Their logits must be the same bits. A graph that fails it gives a request
+other tokens depending on what else runs beside it: onnxruntime's dynamic INT8 quantization, which scales
+the whole batch's activations by one number, does (docs/onnx.md). `graph_choice` decides what follows.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ PROBE_SEED = 20240
 # with AVX2 alone); another model's graph far below
 MIN_AGREEMENT = {"int8": 0.90, "int4": 0.80, "float16": 0.95}
 LOGIT_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
+INVARIANCE_ROWS = (0, PROBE_ROWS - 1)  # probe rows scored alone and among the others
+INVARIANCE_STEPS = 16  # decode steps after the prefill
 
 
 @dataclass
@@ -47,6 +55,25 @@ class Agreement:
     positions: int  # probe positions compared
     max_abs_diff: float  # largest |Δlogit| over them
     scale: float  # largest |logit| of the reference
+
+
+@dataclass
+class Invariance:
+    identical: bool  # every compared logit the same bits alone and in the batch
+    rows: int  # rows scored alone
+    batch: int  # rows in the batch they were scored in
+    max_abs_diff: float
+
+    def describe(self) -> str:
+        verdict = "identical" if self.identical else f"differ by up to {self.max_abs_diff:.3g}"
+        return f"batch-invariant: {'yes' if self.identical else 'no'} ({self.rows} rows alone and among " \
+               f"{self.batch}: logits {verdict})"
+
+
+@dataclass
+class SelfCheck:
+    agreement: Agreement | None  # None: the fp32 graph on the CPU, the reference itself
+    invariance: Invariance
 
 
 def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
@@ -96,33 +123,74 @@ def agreement(candidate: StaticRunner, reference: StaticRunner, seqs: np.ndarray
                      scale=max(float(np.abs(want).max()), 1.0))
 
 
-def check(runner: StaticRunner, reference: StaticRunner | None = None) -> Agreement | None:
-    """Raise `BundleError` unless `runner` may serve on this machine; returns what was measured
-    (None when there was nothing to check: the fp32 graph on the CPU). `reference`: the bundle's
-    fp32 static graph on the CPU, if already open."""
+def mixed_batch_logits(runner: StaticRunner, seqs: np.ndarray, lengths: list[int], steps: int) -> np.ndarray:
+    """[rows, steps + 1, vocab]: row i's prompt seqs[i, :lengths[i]] prefilled with the others (right-padded
+    to the longest), then `steps` decode steps, each row fed its own next token at its own position."""
+    rows = len(lengths)
+    pos = np.array(lengths)
+    with runner.scratch_cache(rows, int(pos.max()) + steps):
+        out = np.empty((rows, steps + 1, runner.vocab_size), dtype=np.float32)
+        out[:, 0] = runner.prefill_batch(0, [seqs[i, :n].tolist() for i, n in enumerate(lengths)])
+        for t in range(steps):
+            out[:, t + 1] = runner.decode(seqs[np.arange(rows), pos + t], pos + t)
+        return out
+
+
+def batch_invariance(runner: StaticRunner, seqs: np.ndarray) -> Invariance:
+    """Whether rows `INVARIANCE_ROWS` of `seqs` get the same logits, bit for bit, alone (batch 1) as in a
+    batch of every row of `seqs`, each prompt of another length."""
+    rows, tokens = seqs.shape
+    half = max(tokens // 2, 1)
+    lengths = [max(half - i, 1) for i in range(rows)]
+    steps = min(INVARIANCE_STEPS, tokens - half)
+    together = mixed_batch_logits(runner, seqs, lengths, steps)
+    probed = sorted({r % rows for r in INVARIANCE_ROWS})
+    alone = np.stack([mixed_batch_logits(runner, seqs[r:r + 1], [lengths[r]], steps)[0] for r in probed])
+    diff = float(np.abs(alone - together[probed]).max())
+    return Invariance(identical=bool(np.array_equal(alone, together[probed])), rows=len(probed), batch=rows,
+                      max_abs_diff=diff)
+
+
+def check(runner: StaticRunner, reference: StaticRunner | None = None,
+          allow_low_agreement: bool = False) -> SelfCheck:
+    """Measure `runner` on this machine: its agreement with the fp32 graph (reduced precision, or another
+    provider) and its batch invariance. Raises `BundleError` if it disagrees with fp32, unless
+    `allow_low_agreement`, which serves it anyway with a warning. `reference`: the bundle's fp32 static
+    graph on the CPU, if already open."""
     reduced = runner.spec.weights != "float32"
     on_cpu = runner.provider == "CPUExecutionProvider"
     if not reduced and on_cpu:
-        return None
+        invariance = batch_invariance(runner, probe_sequences(runner))
+        log.info("self-check: graph %s (fp32 on the CPU, the reference) is %s", runner.graph_name,
+                 invariance.describe())
+        return SelfCheck(None, invariance)
     reference = reference or open_reference(runner)
-    result = agreement(runner, reference)
+    seqs = probe_sequences(reference)
+    result = agreement(runner, reference, seqs)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
     least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
     if reduced and result.top1 < least:
-        raise BundleError(
+        refusal = (
             f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
             f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
             f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
             f"{reference.graph_name}, or re-export the bundle with a current 'attnserve export "
             f"--{_export_flag(runner)}', whose weights compute alike on every CPU")
-    if not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
-        raise BundleError(
+    elif not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
+        refusal = (
             f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
             f"{result.max_abs_diff:.3g}, allowed {LOGIT_TOLERANCE * result.scale:.3g}); serve it with provider 'cpu'")
+    else:
+        refusal = None
+    if refusal and not allow_low_agreement:
+        raise BundleError(refusal)
+    if refusal:
+        log.warning("serving it anyway (allow_low_agreement): %s", refusal)
+    invariance = batch_invariance(runner, seqs)
     log.info("self-check: graph %s (%s weights) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
-             "probe positions (max |Δlogit| %.3g)", runner.graph_name, runner.spec.weights, where,
-             reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff)
-    return result
+             "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, runner.spec.weights, where,
+             reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff, invariance.describe())
+    return SelfCheck(result, invariance)
 
 
 def _saturation_note(runner: StaticRunner) -> str:

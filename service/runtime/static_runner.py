@@ -23,6 +23,10 @@ import onnxruntime as ort
 from service.runtime.bundle import BundleError
 from service.runtime.session import Provider, open_graph
 
+# onnxruntime's GroupQueryAttention computes a call's queries in tiles of this many; a last tile of one
+# query rounds differently from the same query inside a tile (measured: docs/engine.md)
+QUERY_TILE = 16
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -143,21 +147,34 @@ class StaticRunner:
 
     def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""
-        s = len(ids)
-        logits = self._prefill(slot, np.array([ids], dtype=np.int64), np.arange(start, start + s)[None],
+        n = len(ids)
+        s = self._call_length(n, start)
+        padded = np.zeros((1, s), dtype=np.int64)  # padding is written past the chunk's end, and overwritten
+        padded[0, :n] = ids
+        # the padding counts in the row's length: a continued row's start is its length minus the call's
+        logits = self._prefill(slot, padded, np.arange(start, start + s)[None],
                                np.array([start + s - 1], dtype=np.int32), start + s)
-        return logits[0]
+        return logits[0, :n]
+
+    def _call_length(self, n: int, start: int) -> int:
+        """The query length to run `n` new tokens at: n, or n + 1 where onnxruntime's attention would take
+        the last of n ≡ 1 (mod 16) queries (a continued one alone included) on another path, whose rounding
+        differs. With it, a row's logits and cache are the same bits however its prompt is batched, padded
+        or cut into chunks (docs/engine.md). The extra position lies past the row's end, inside its slot."""
+        room = self._buffers[0].shape[2] - start
+        return n + 1 if n % QUERY_TILE == 1 and (n > 1 or start > 0) and n < room else n
 
     def prefill_batch(self, first_slot: int, prompts: list[list[int]], every_position: bool = False) -> np.ndarray:
         """Whole prompts into consecutive slots. Returns each prompt's last-position logits [k, vocab],
         or with `every_position` the logits of every position [k, longest, vocab] (for scoring)."""
-        k, s = len(prompts), max(len(p) for p in prompts)
+        k, longest = len(prompts), max(len(p) for p in prompts)
+        s = self._call_length(longest, 0)
         ids = np.zeros((k, s), dtype=np.int64)  # right-padded; padding is written past each row's end
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts])
         logits = self._prefill(first_slot, ids, np.tile(np.arange(s), (k, 1)), (lengths - 1).astype(np.int32), s)
-        return logits if every_position else logits[np.arange(k), lengths - 1]
+        return logits[:, :longest] if every_position else logits[np.arange(k), lengths - 1]
 
     def _prefill(self, first: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int) -> np.ndarray:
         binding = self.session.io_binding()

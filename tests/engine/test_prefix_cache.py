@@ -75,7 +75,9 @@ def test_a_full_cache_of_one_chain_keeps_it_and_stores_what_fits():
 
 # ---- the engine: the same outputs with and without the cache --------------------------------------
 
-def run_both(make_engine, arrivals, **config):
+def run_both(make_engine, arrivals, exact: bool = True, **config):
+    """The same arrivals on an engine with the prefix cache and one without: the same tokens, and with
+    `exact` the same logprobs to the bit (a hit on blocks that prefill wrote is a miss's cache exactly)."""
     cached = make_engine(**config)
     plain = make_engine(**{**config, "prefix_caching": False})
     with_cache = drive(cached, arrivals={k: list(v) for k, v in arrivals.items()})
@@ -86,7 +88,10 @@ def run_both(make_engine, arrivals, **config):
         got, want = with_cache.events[key], without.events[key]
         assert [e.token_id for e in got] == [e.token_id for e in want], key
         assert [e.finish_reason for e in got] == [e.finish_reason for e in want], key
-        np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=1e-4)
+        if exact:
+            assert [e.logprob for e in got] == [e.logprob for e in want], key
+        else:
+            np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=1e-4)
     check_idle(cached)
     return cached
 
@@ -129,7 +134,9 @@ def test_the_next_chat_turn_finds_the_earlier_turn_and_its_reply(make_engine):
     first = make_engine()
     reply = drive(first, [greedy("t1", turn1, 30)]).tokens("t1")
     turn2 = turn1 + reply + random_prompt(rng, 5)
-    engine = run_both(make_engine, {0: [greedy("t1", turn1, 30)], 40: [greedy("t2", turn2, 8)]})
+    # the reply's blocks were written by decode steps, whose attention rounds otherwise than a prefill's:
+    # the same tokens, logprobs within float rounding (docs/api.md, batch invariance)
+    engine = run_both(make_engine, {0: [greedy("t1", turn1, 30)], 40: [greedy("t2", turn2, 8)]}, exact=False)
     # turn 1 wrote 20 + 29 positions (its last token is never fed back): three whole blocks
     assert engine.stats().prefix_hit_tokens == 48
 

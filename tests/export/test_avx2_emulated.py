@@ -5,7 +5,8 @@ emulation of a Haswell it sees AVX2 without VNNI, AVX-512 or AMX, and takes the 
 pair sums saturate, even on a host that has VNNI. The child process below proves it took that path
 (a product that saturates there and nowhere else), then runs the start-up self-check of the
 shipped bundle's INT8 serving graph, and of the shipped model's 4-bit graph (whose int8-activation
-kernel for AVX2 is another than for AVX-512): each must stay right on such a CPU too.
+kernel for AVX2 is another than for AVX-512): each must stay right on such a CPU too, and the INT8
+graph batch-invariant.
 
 qemu-user is installed with apt-get when it is missing and this runs as root; CI fails without it.
 """
@@ -47,7 +48,8 @@ CHILD = textwrap.dedent("""
     from service.runtime.static_runner import StaticRunner
     from service.runtime.self_check import check
     result = check(StaticRunner(sys.argv[1], sys.argv[2], provider="cpu", intra_op_threads=1))
-    print(json.dumps({"product": product, "top1": result.top1, "positions": result.positions}))
+    print(json.dumps({"product": product, "top1": result.agreement.top1, "positions": result.agreement.positions,
+                      "batch_invariant": result.invariance.identical}))
 """)
 
 
@@ -73,6 +75,7 @@ def qemu() -> str:
 def test_int8_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu):
     result = self_check_on_haswell(qemu, BUNDLE, "static-int8")
     assert result["top1"] >= MIN_AGREEMENT["int8"] and result["positions"] >= 256
+    assert result["batch_invariant"]  # a row's logits the same bits alone and batched on this path too
 
 
 @pytest.mark.slow
@@ -80,6 +83,8 @@ def test_int8_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu):
 def test_int4_serving_graph_passes_the_self_check_on_an_avx2_only_cpu(qemu, shipped_int4_bundle):
     result = self_check_on_haswell(qemu, shipped_int4_bundle, "static-int4")
     assert result["top1"] >= MIN_AGREEMENT["int4"] and result["positions"] >= 256
+    # its batch invariance is not asserted: onnxruntime's AVX2 4-bit kernel rounds a lone row otherwise than
+    # a batch's (docs/onnx.md), which the probe reports, so `auto` does not serve it on such a CPU
 
 
 def self_check_on_haswell(qemu: str, bundle: Path, graph: str) -> dict:

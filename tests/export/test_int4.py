@@ -59,7 +59,7 @@ def test_int4_logits_stay_close_to_fp32_and_pass_the_self_check(int4_bundle):
     diff = np.abs(got - want).max()
     assert 0 < diff <= MAX_RELATIVE_LOGIT_DIFF * np.abs(want).max()  # close, and not the fp32 graph renamed
     result = check(int4, ref)
-    assert result.top1 >= MIN_AGREEMENT["int4"]
+    assert result.agreement.top1 >= MIN_AGREEMENT["int4"]
 
 
 def runner_greedy(runner: StaticRunner, prompt: list[int], n: int) -> list[int]:

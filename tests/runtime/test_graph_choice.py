@@ -26,16 +26,40 @@ def test_auto_never_serves_a_graph_that_fails_the_self_check(wrong_int8_bundle, 
     assert any("not serving static-int8" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+def test_auto_never_serves_a_graph_that_is_not_batch_invariant(per_tensor_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        runner = open_serving_graph(per_tensor_bundle, max_batch=4)
+    assert runner.graph_name in ("static", "static-int8")
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "not serving static-int8-per-tensor: it is not batch-invariant on this CPU" in warning
+    assert "name it with --graph" in warning
+    [line] = [r.getMessage() for r in caplog.records if "graph choice on" in r.getMessage()]
+    assert "static-int8 (int8): " in line and "batch-invariant" in line and "per-tensor" not in line
+
+
+def test_a_named_graph_that_is_not_batch_invariant_is_served_with_one_warning(per_tensor_bundle, caplog):
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        runner = open_serving_graph(per_tensor_bundle, graph="static-int8-per-tensor")
+    assert runner.graph_name == "static-int8-per-tensor"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "graph static-int8-per-tensor is not batch-invariant" in warning and "\n" not in warning
+
+
 def test_a_named_graph_wins_but_must_pass_the_self_check(wrong_int8_bundle):
     assert open_serving_graph(wrong_int8_bundle, graph="static").graph_name == "static"
     with pytest.raises(BundleError, match="graph 'static-int8' .* agrees with the fp32 graph 'static'"):
         open_serving_graph(wrong_int8_bundle, graph="static-int8")
+    # unless asked to serve it anyway; auto never does
+    runner = open_serving_graph(wrong_int8_bundle, graph="static-int8", allow_low_agreement=True)
+    assert runner.graph_name == "static-int8"
+    assert open_serving_graph(wrong_int8_bundle, max_batch=4, allow_low_agreement=True).graph_name != "static-int8"
 
 
 def test_a_bundle_with_one_serving_graph_is_served_without_timing(plain_bundle, caplog):
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
         assert open_serving_graph(plain_bundle).graph_name == "static"
-    assert not any("graph choice" in r.getMessage() for r in caplog.records)
+    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
+    assert "serving static (float32): not timed; batch-invariant" in line
 
 
 def test_a_concat_graph_cannot_be_served(tiny_bundle):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import numpy as np
@@ -9,12 +10,24 @@ import pytest
 
 from service.runtime.bundle import BundleError, read_manifest, write_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import MIN_AGREEMENT, PROBE_ROWS, PROBE_TOKENS, agreement, check, probe_sequences
+from service.runtime.self_check import (
+    INVARIANCE_ROWS,
+    MIN_AGREEMENT,
+    PROBE_ROWS,
+    PROBE_TOKENS,
+    agreement,
+    batch_invariance,
+    check,
+    probe_sequences,
+)
 from service.runtime.static_runner import StaticRunner
 
 
-def test_the_fp32_graph_on_the_cpu_needs_no_check(int8_bundle):
-    assert check(StaticRunner(int8_bundle, "static", provider="cpu")) is None
+def test_the_fp32_graph_on_the_cpu_is_its_own_reference_and_batch_invariant(int8_bundle):
+    result = check(StaticRunner(int8_bundle, "static", provider="cpu"))
+    assert result.agreement is None
+    assert result.invariance.identical and result.invariance.max_abs_diff == 0
+    assert (result.invariance.rows, result.invariance.batch) == (len(INVARIANCE_ROWS), PROBE_ROWS)
 
 
 def test_the_probe_is_text_the_reference_samples_from_a_document_start(int8_bundle):
@@ -30,9 +43,29 @@ def test_the_probe_is_text_the_reference_samples_from_a_document_start(int8_bund
 def test_an_int8_graph_that_follows_fp32_passes(int8_bundle):
     runner = StaticRunner(int8_bundle, "static-int8", provider="cpu")
     result = check(runner)
-    assert result.positions == PROBE_ROWS * PROBE_TOKENS
-    assert MIN_AGREEMENT["int8"] <= result.top1 and 0 < result.max_abs_diff  # close, yet not the fp32 graph renamed
+    agreed = result.agreement
+    assert agreed.positions == PROBE_ROWS * PROBE_TOKENS
+    assert MIN_AGREEMENT["int8"] <= agreed.top1 and 0 < agreed.max_abs_diff  # close, yet not the fp32 graph renamed
+    assert result.invariance.identical  # activations quantized per row: no row rounds by another's values
     assert not runner.attached  # nothing left attached: the engine attaches its own cache
+
+
+def test_int8_with_one_activation_scale_per_batch_is_not_batch_invariant(per_tensor_bundle):
+    runner = StaticRunner(per_tensor_bundle, "static-int8-per-tensor", provider="cpu")
+    result = check(runner)
+    assert result.agreement.top1 >= MIN_AGREEMENT["int8"]  # close to fp32 ...
+    assert not result.invariance.identical and result.invariance.max_abs_diff > 0  # ... but not alone = batched
+    assert "batch-invariant: no" in result.invariance.describe()
+
+
+def test_the_invariance_probe_sees_a_row_that_depends_on_the_batch(int8_bundle):
+    runner = StaticRunner(int8_bundle, "static", provider="cpu")
+    seqs = probe_sequences(runner)
+    assert batch_invariance(runner, seqs).identical
+    decode = runner.decode
+    runner.decode = lambda ids, positions: decode(ids, positions) + np.float32(1e-6) * (len(ids) > 1)
+    result = batch_invariance(runner, seqs)
+    assert not result.identical and 0 < result.max_abs_diff < 1e-5  # one ulp-sized nudge is enough
 
 
 def test_a_reduced_graph_that_parts_from_fp32_is_refused_in_one_line(wrong_int8_bundle):
@@ -48,10 +81,19 @@ def test_a_reduced_graph_that_parts_from_fp32_is_refused_in_one_line(wrong_int8_
         assert part in message
 
 
+def test_a_disagreeing_graph_is_served_when_the_override_asks_with_a_warning(wrong_int8_bundle, caplog):
+    runner = StaticRunner(wrong_int8_bundle, "static-int8", provider="cpu")
+    with caplog.at_level(logging.WARNING, logger="service.runtime.self_check"):
+        result = check(runner, allow_low_agreement=True)
+    assert result.agreement.top1 < MIN_AGREEMENT["int8"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "serving it anyway (allow_low_agreement)" in warning and "graph 'static-int8'" in warning
+
+
 def test_another_provider_must_reproduce_the_cpu_logits(int8_bundle):
     faithful = StaticRunner(int8_bundle, "static", provider="cpu")
     faithful.provider = "CUDAExecutionProvider"  # as if onnxruntime had placed it on a GPU
-    assert check(faithful).max_abs_diff == 0
+    assert check(faithful).agreement.max_abs_diff == 0
 
     drifting = StaticRunner(int8_bundle, "static", provider="cpu")
     drifting.provider = "CUDAExecutionProvider"

@@ -1,0 +1,79 @@
+"""INT8 matmuls whose activations are quantized one row (one token) at a time.
+
+onnxruntime's dynamic quantization (`DynamicQuantizeMatMul`) gives the whole activation tensor one
+scale, so every row of a batch rounds by the largest value of any row: a request's logits change
+with what else is in the batch. Here each MatMul with a constant weight becomes
+
+    s   = max(|x|, over the row) / 127                     one scale per token  [..., 1]
+    x_q = trunc(x / s + 128.5)                              u8, 1...255, zero point 128
+    y   = MatMulIntegerToFloat(x_q, W_q, s, w_scale, 128)   exact integer products, then y · s · w_scale
+
+with W_q per-column symmetric in 7 bits (-64...64), so a u8 × s8 pair sum fits 16 bits
+(255 · 64 · 2 = 32640) and no kernel saturates it (docs/onnx.md). Everything a row's output depends
+on is that row's: its scale, its integer dot products (exact, in any order and on any CPU), and
+elementwise float operations. A row's logits are therefore the same bits alone and in any batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+MS_DOMAIN = "com.microsoft"
+WEIGHT_MAX = 64  # 7-bit weights: u8 x s8 pair sums fit 16 bits on AVX2 without VNNI
+ACTIVATION_MAX = 127  # a row's largest |value| maps to 127 steps from the zero point 128
+ZERO_POINT = 128
+
+
+def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [K, N] in -64...64, fp32 scale [N]): symmetric, one scale per output column."""
+    scale = np.abs(w).max(axis=0) / WEIGHT_MAX
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.rint(w / scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8), scale
+
+
+def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with every MatMul whose second input is a 2-D fp32 initializer rewritten as above."""
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    shared = {"rowq_inv_max": np.array(1 / ACTIVATION_MAX, np.float32), "rowq_tiny": np.array(1e-30, np.float32),
+              "rowq_offset": np.array(ZERO_POINT + 0.5, np.float32), "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
+    nodes, replaced = [], set()
+    for node in graph.node:
+        w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
+            nodes.append(node)
+            continue
+        nodes += _row_quantized_matmul(node, graph, numpy_helper.to_array(w))
+        replaced.add(w.name)
+    still_used = {name for node in nodes for name in node.input}
+    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + [numpy_helper.from_array(v, k) for k, v in shared.items()])
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return model
+
+
+def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.ndarray) -> list[onnx.NodeProto]:
+    x, y, p = node.input[0], node.output[0], f"rowq_{node.name or node.output[0]}"
+    w_q, w_scale = quantize_weight(w)
+    graph.initializer.extend([numpy_helper.from_array(w_q, f"{p}_w"), numpy_helper.from_array(w_scale, f"{p}_ws")])
+
+    def op(kind: str, inputs: list[str], out: str, **attrs) -> onnx.NodeProto:
+        return helper.make_node(kind, inputs, [out], name=f"{p}_{out.rsplit('_', 1)[-1]}", **attrs)
+
+    return [
+        op("Abs", [x], f"{p}_abs"),
+        op("ReduceMax", [f"{p}_abs"], f"{p}_max", axes=[-1], keepdims=1),
+        op("Max", [f"{p}_max", "rowq_tiny"], f"{p}_nonzero"),  # an all-zero row: scale 1e-30/127, x_q = 128
+        op("Mul", [f"{p}_nonzero", "rowq_inv_max"], f"{p}_scale"),
+        op("Div", [x, f"{p}_scale"], f"{p}_steps"),
+        op("Add", [f"{p}_steps", "rowq_offset"], f"{p}_shifted"),  # + 128.5: truncation rounds half up
+        op("Cast", [f"{p}_shifted"], f"{p}_q", to=TensorProto.UINT8),
+        helper.make_node("MatMulIntegerToFloat", [f"{p}_q", f"{p}_w", f"{p}_scale", f"{p}_ws", "rowq_zero_point"],
+                         [y], name=f"{p}_matmul", domain=MS_DOMAIN),
+    ]
