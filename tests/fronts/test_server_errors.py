@@ -111,12 +111,17 @@ def test_an_oversized_message_is_refused_and_the_server_carries_on(client):
 
 def test_overload_is_resource_exhausted_with_a_retry_hint(engine_bundle):
     s = settings(engine_bundle, max_running=2, max_waiting=1, max_batch_tokens=64, warmup=False)
-    gates = []
-    engine = engine_for(s, lambda e: gates.append(Gate(e, at=1, when=lambda ids: len(ids) == 2)))
+    gates = []  # the first decode (the first request alone), then the first decode of two rows
+    engine = engine_for(s, lambda e: gates.extend([Gate(e, at=1), Gate(e, at=1, when=lambda ids: len(ids) == 2)]))
     with ServerThread(s, engine) as srv, Client(srv.address, timeout_s=60) as c:
+        alone, both = gates
         long = dict(max_new_tokens=40, ignore_eos=True, seed=1)
-        running = [c.stub.Generate.future(build_request("Rom.", **long)) for _ in range(2)]
-        gates[0].wait_reached_sync()  # both hold a slot: the engine is held decoding the two of them
+        running = [c.stub.Generate.future(build_request("Rom.", **long))]
+        alone.wait_reached_sync()  # held, the first request cannot finish before the second arrives
+        running.append(c.stub.Generate.future(build_request("Rom.", **long)))
+        wait_until(lambda: srv.server.engine.in_flight == 2, what="the second request to be accepted")
+        alone.open()
+        both.wait_reached_sync()  # both hold a slot: the engine is held decoding the two of them
         queued = c.stub.Generate.future(build_request("Ham.", **long))
         wait_until(lambda: c.server_info().requests_waiting == 1, what="the third request to queue")
         with pytest.raises(grpc.RpcError) as e:
@@ -125,7 +130,7 @@ def test_overload_is_resource_exhausted_with_a_retry_hint(engine_bundle):
         assert "max_waiting=1" in e.value.details()
         hint = dict(e.value.trailing_metadata())[RETRY_AFTER_KEY]
         assert int(hint) > 0
-        gates[0].open()
+        both.open()
         for f in [*running, queued]:
             assert len(f.result(60).completions[0].token_ids) == 40
         wait_until(lambda: all_free(c), what="every slot to come back")
