@@ -5,7 +5,7 @@ scale, so every row of a batch rounds by the largest value of any row: a request
 with what else is in the batch. Here each MatMul with a constant weight becomes
 
     s   = max(|x|, over the row) / 127                     one scale per token  [..., 1]
-    x_q = trunc(x / s + 128.5)                              u8, 1...255, zero point 128
+    x_q = QuantizeLinear(x / s, 1, 128)                     u8, 1...255, zero point 128 (rounds half to even)
     y   = MatMulIntegerToFloat(x_q, W_q, s, w_scale, 128)   exact integer products, then y · s · w_scale
 
 with W_q per-column symmetric in 7 bits (-64...64), so a u8 × s8 pair sum fits 16 bits
@@ -38,7 +38,7 @@ def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     shared = {"rowq_inv_max": np.array(1 / ACTIVATION_MAX, np.float32), "rowq_tiny": np.array(1e-30, np.float32),
-              "rowq_offset": np.array(ZERO_POINT + 0.5, np.float32), "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
+              "rowq_one": np.array(1, np.float32), "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
     nodes, replaced = [], set()
     for node in graph.node:
         w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
@@ -71,9 +71,8 @@ def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.nd
         op("ReduceMax", [f"{p}_abs"], f"{p}_max", axes=[-1], keepdims=1),
         op("Max", [f"{p}_max", "rowq_tiny"], f"{p}_nonzero"),  # an all-zero row: scale 1e-30/127, x_q = 128
         op("Mul", [f"{p}_nonzero", "rowq_inv_max"], f"{p}_scale"),
-        op("Div", [x, f"{p}_scale"], f"{p}_steps"),
-        op("Add", [f"{p}_steps", "rowq_offset"], f"{p}_shifted"),  # + 128.5: truncation rounds half up
-        op("Cast", [f"{p}_shifted"], f"{p}_q", to=TensorProto.UINT8),
+        op("Div", [x, f"{p}_scale"], f"{p}_steps"),  # -127 ... 127
+        op("QuantizeLinear", [f"{p}_steps", "rowq_one", "rowq_zero_point"], f"{p}_q"),
         helper.make_node("MatMulIntegerToFloat", [f"{p}_q", f"{p}_w", f"{p}_scale", f"{p}_ws", "rowq_zero_point"],
                          [y], name=f"{p}_matmul", domain=MS_DOMAIN),
     ]
