@@ -6,6 +6,6 @@
     static_runner.py  the serving runner: the static-cache graph, bound once to the engine's KV cache
     concat_runner.py  the reference runner: the concat-cache graph as a step function (export checks, benchmarks)
     graph_choice.py   which graph to serve on this CPU (`--graph auto`)
-    self_check.py     a reduced-precision graph or another provider against the fp32 graph, before serving
+    self_check.py     a graph against the fp32 graph, and for batch invariance, before serving
     cpu.py            this CPU's model, cores and instruction-set flags
 """

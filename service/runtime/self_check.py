@@ -168,20 +168,7 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None,
     seqs = probe_sequences(reference)
     result = agreement(runner, reference, seqs)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
-    least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
-    if reduced and result.top1 < least:
-        refusal = (
-            f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
-            f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
-            f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
-            f"{reference.graph_name}, or re-export the bundle with a current 'attnserve export "
-            f"--{_export_flag(runner)}', whose weights compute alike on every CPU")
-    elif not reduced and not result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
-        refusal = (
-            f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
-            f"{result.max_abs_diff:.3g}, allowed {LOGIT_TOLERANCE * result.scale:.3g}); serve it with provider 'cpu'")
-    else:
-        refusal = None
+    refusal = _disagreement(runner, reference, result, where)
     if refusal and not allow_low_agreement:
         raise BundleError(refusal)
     if refusal:
@@ -191,6 +178,24 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None,
              "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, runner.spec.weights, where,
              reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff, invariance.describe())
     return SelfCheck(result, invariance)
+
+
+def _disagreement(runner: StaticRunner, reference: StaticRunner, result: Agreement, where: str) -> str | None:
+    """Why `runner` may not serve, in one line, or None: a reduced-precision graph below its agreement bar,
+    or an fp32 graph on another provider that does not reproduce the CPU."""
+    if runner.spec.weights != "float32":
+        least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
+        if result.top1 >= least:
+            return None
+        return (f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
+                f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
+                f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
+                f"{reference.graph_name}, or re-export the bundle with a current 'attnserve export "
+                f"--{_export_flag(runner)}', whose weights compute alike on every CPU")
+    if result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
+        return None
+    return (f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
+            f"{result.max_abs_diff:.3g}, allowed {LOGIT_TOLERANCE * result.scale:.3g}); serve it with provider 'cpu'")
 
 
 def _saturation_note(runner: StaticRunner) -> str:
