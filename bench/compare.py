@@ -5,23 +5,28 @@
     attnserve bench compare --quick --no-write    # tiny random sizes, 8 tokens: a smoke test in a minute
 
 For each size of `bench.sizes` (the shipped model; GPT-2 124M's shape; SmolLM2-135M's shape) it prepares
-the weights once as every system takes them: attnserve's bundle (graphs static, static-int8, static-int4)
-and, through `attnserve export-hf`, one Hugging Face directory that every peer converts with its own
-tool (`bench.peers.systems`). Every system gets the same prompt ids (random, --seed), exactly
---new-tokens greedy tokens per sequence (end-of-text masked until then), and runs in a process of its
-own by the peer protocol (`bench.peers.protocol`): batch 1 (--singles prompts one after another;
-tokens/s with prefill, TTFT) and 32 concurrent streams (aggregate tokens/s, TTFT p50/p99), its peak
-RSS, and the 32 streams' greedy ids. A round runs every system once; the rounds repeat --repeats
-times per size, in an order rotated by one system each round, so that a slow drift of the machine falls
-on every system alike. The table shows medians over rounds and, for each system, greedy agreement with
-fp32 transformers (rows of the 32 identical to its, and the mean length of the common prefix).
+the weights once as every system takes them: attnserve's bundle (graphs static, static-int8,
+static-int8-per-tensor, static-int4) and, through `attnserve export-hf`, one Hugging Face directory that
+every peer converts with its own tool (`bench.peers.systems`). Every system gets the same prompt ids
+(random, --seed), exactly --new-tokens greedy tokens per sequence (end-of-text masked until then), and
+runs in a process of its own by the peer protocol (`bench.peers.protocol`): batch 1 (--singles prompts
+one after another; tokens/s with prefill, TTFT) and 32 concurrent streams (aggregate tokens/s, TTFT
+p50/p99), its peak RSS, and the greedy ids of both. The batch-1 prompts are the first --singles of the
+32 stream prompts, so every system also shows whether its output depends on the batch: how many of
+them got the same ids alone as among the 32 (`alone_equals_batched`). A round runs every system once;
+the rounds repeat --repeats times per size, in an order rotated by one system each round, so that a
+slow drift of the machine falls on every system alike. The table shows medians over rounds and, for
+each system, greedy agreement with fp32 transformers (rows of the 32 identical to its, and the mean
+length of the common prefix).
 
 Targets, per size and precision class (fp32: fp32 and f32; 8-bit: int8 and q8_0; 4-bit: int4 against
-q4_0), from the same run: 32 gRPC streams ≥ 1.5× the best peer's aggregate tokens/s; batch 1 over gRPC
-≥ 1.1× the best peer's; greedy agreement at least that of the class's fastest peer at 32 streams
-(exact rows and mean prefix); and at the GPT-2 124M shape, batch 1 in-process ≥ 80% of the
-memory-bandwidth bound (`bench.roofline`: the graph's weight bytes per token over this machine's read
-bandwidth, `bench.bandwidth`).
+q4_0), from the same run, with attnserve's int8 (activations quantized per row) as its 8-bit row;
+int8-per-tensor, the former INT8 graph (one activation scale per batch), is shown in the 8-bit class
+beside it and is neither ours nor a peer in a target: 32 gRPC streams ≥ 1.5× the best peer's
+aggregate tokens/s; batch 1 over gRPC ≥ 1.1× the best peer's; greedy agreement at least that of the
+class's fastest peer at 32 streams (exact rows and mean prefix); and at the GPT-2 124M shape, batch 1
+in-process ≥ 80% of the memory-bandwidth bound (`bench.roofline`: the graph's weight bytes per token
+over this machine's read bandwidth, `bench.bandwidth`).
 
 A missing peer is skipped with one line. It writes docs/bench/compare.json, docs/bench/compare.png (or
 both into --out) and the compare section of docs/BENCHMARKS.md.
@@ -39,10 +44,11 @@ from pathlib import Path
 
 from bench import workload
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish
-from bench.peers.systems import REFERENCE, Model, System, convert, measure, select, unavailable
+from bench.peers.systems import GRAPHS, REFERENCE, Model, System, convert, measure, select, unavailable
 
 STREAMS = 32
-CLASSES = {"fp32": ("fp32", "f32"), "8-bit": ("int8", "q8_0"), "4-bit": ("int4", "q4_0")}  # class -> precisions
+CLASSES = {"fp32": ("fp32", "f32"), "8-bit": ("int8", "int8-per-tensor", "q8_0"),  # class -> precisions
+           "4-bit": ("int4", "q4_0")}
 OURS = {"fp32": "fp32", "8-bit": "int8", "4-bit": "int4"}  # class -> attnserve's precision in it
 STREAMS_LEAST = 1.5  # 32 gRPC streams against the best peer's aggregate tokens/s
 SINGLE_LEAST = 1.1  # batch 1 over gRPC against the best peer's
@@ -55,10 +61,12 @@ QUICK_SHAPES = {  # --quick: the random sizes at shapes that build in seconds (G
 
 
 def make_spec(vocab: int, prompt_tokens: int, new_tokens: int, singles: int, seed: int) -> dict:
-    """The run spec every system gets: `singles` batch-1 prompts and 32 stream prompts, one round each."""
-    items = workload.fixed(singles + STREAMS, prompt_tokens, new_tokens, vocab, seed)
-    prompts = [item.prompt for item in items]
-    return {"new_tokens": new_tokens, "single": prompts[:singles], "streams": prompts[singles:], "repeats": 1}
+    """The run spec every system gets: 32 stream prompts and, for batch 1, the first `singles` of them (so
+    that each of those runs both alone and among the 32), one round each."""
+    if not 1 <= singles <= STREAMS:
+        raise ValueError(f"{singles} batch-1 prompts: they are the first of the {STREAMS} streams (1 to {STREAMS})")
+    prompts = [item.prompt for item in workload.fixed(STREAMS, prompt_tokens, new_tokens, vocab, seed)]
+    return {"new_tokens": new_tokens, "single": prompts[:singles], "streams": prompts, "repeats": 1}
 
 
 def rotated(systems: list, round_index: int) -> list:
@@ -83,6 +91,15 @@ def agreement(tokens: list[list[int]] | None, reference: list[list[int]] | None)
     return {"exact_rows": exact, "rows": len(reference), "mean_prefix": statistics.mean(prefixes)}
 
 
+def alone_equals_batched(single_tokens: list[list[int]] | None, tokens: list[list[int]] | None) -> int | None:
+    """How many batch-1 prompts got exactly the ids alone that they got among the streams (the batch-1
+    prompts are the first streams: `make_spec`); None for a system without ids."""
+    if single_tokens is None or tokens is None:
+        return None
+    return sum(1 for alone, batched in zip(single_tokens, tokens[:len(single_tokens)], strict=True)
+               if alone == batched)
+
+
 def _median(values) -> float | None:
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(values) if values else None
@@ -94,7 +111,7 @@ def summarize_system(system: System, size: str, results: list[dict], reference: 
         per_round = [r[phase][field] for r in results if r[phase].get(field) is not None]
         return _median(_median(v) if isinstance(v, list) else v for v in per_round)
 
-    tokens = results[0]["tokens"]
+    tokens, single_tokens = results[0]["tokens"], results[0].get("single_tokens")
     stable = all(r["tokens"] == tokens for r in results)
     return {"size": size, "key": system.key, "system": system.label, "family": system.family,
             "precision": system.precision, "ours": system.ours, "rounds": len(results),
@@ -103,6 +120,8 @@ def summarize_system(system: System, size: str, results: list[dict], reference: 
             "ttft_p99_s": over("streams", "ttft_p99_s"),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
             **agreement(tokens, reference), "tokens_same_every_round": stable if tokens is not None else None,
+            "alone_equals_batched": alone_equals_batched(single_tokens, tokens),
+            "alone_prompts": len(single_tokens) if single_tokens is not None else None,
             "settings": results[0].get("settings", {}), "versions": results[0].get("versions", {}),
             "runs": [{k: r[k] for k in ("single", "streams", "peak_rss_bytes")} for r in results]}
 
@@ -181,8 +200,7 @@ def add_bounds(rows: list[dict], bundles: dict[str, Path], gb_per_s: float | Non
     for r in rows:
         if r["ours"]:
             bundle = bundles[r["size"]]
-            graph = {"fp32": "static", "int8": "static-int8", "int4": "static-int4"}[r["precision"]]
-            weight_bytes = weight_bytes_per_token(bundle / read_manifest(bundle).graphs[graph].file)
+            weight_bytes = weight_bytes_per_token(bundle / read_manifest(bundle).graphs[GRAPHS[r["precision"]]].file)
             r["weight_bytes_per_token"] = weight_bytes
             r["bound_tokens_per_s"] = bound_tokens_per_s(weight_bytes, gb_per_s)
 
@@ -236,7 +254,7 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
                 continue
             seconds[s.key].append(time.perf_counter() - t0)
             results[s.key].append(r)
-            log(f"    {s.key:26s} batch 1 {r['single']['tokens_per_s'][0]:8.1f} tok/s   "
+            log(f"    {s.key:30s} batch 1 {r['single']['tokens_per_s'][0]:8.1f} tok/s   "
                 f"{r['streams']['n']} streams {r['streams']['tokens_per_s'][0]:8.1f} tok/s   "
                 f"({seconds[s.key][-1]:.0f} s)")
     reference = results.get(REFERENCE, [{}])[0].get("tokens")
@@ -263,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleaved rounds over every system, per size (two over the three sizes: an hour on 2 cores)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--singles", type=int, default=3, help="batch-1 prompts, run one after another")
+    p.add_argument("--singles", type=int, default=3,
+                   help="batch-1 prompts (the first of the 32 stream prompts), run one after another")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "compare",
                    help="prepared sizes and converted models, kept between runs")
@@ -313,17 +332,19 @@ def _num(v, scale: float = 1.0, fmt: str = ".0f") -> str:
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| system | precision | batch 1 tok/s | batch 1 TTFT ms | 32 streams tok/s | TTFT p50 ms | "
-             "TTFT p99 ms | peak RSS MB | exact rows | mean prefix | batch 1 ÷ bound |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT p99 ms | peak RSS MB | exact rows | mean prefix | alone = among 32 | batch 1 ÷ bound |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bound = (f"{r['single_tokens_per_s'] / r['bound_tokens_per_s']:.0%}" if r.get("bound_tokens_per_s")
                  and r["single_tokens_per_s"] else "")
         name = f"**{r['system']}**" if r["ours"] else r["system"]
         exact = "—" if r["exact_rows"] is None else f"{r['exact_rows']}/{r['rows']}"
+        alone = "—" if r.get("alone_equals_batched") is None else f"{r['alone_equals_batched']}/{r['alone_prompts']}"
         lines.append(f"| {name} | {r['precision']} | {_num(r['single_tokens_per_s'])} | "
                      f"{_num(r['single_ttft_s'], 1e3, '.1f')} | {_num(r['streams_tokens_per_s'])} | "
                      f"{_num(r['ttft_p50_s'], 1e3, '.0f')} | {_num(r['ttft_p99_s'], 1e3, '.0f')} | "
-                     f"{_num(r['peak_rss_bytes'], 1e-6)} | {exact} | {_num(r['mean_prefix'], 1, '.1f')} | {bound} |")
+                     f"{_num(r['peak_rss_bytes'], 1e-6)} | {exact} | {_num(r['mean_prefix'], 1, '.1f')} | {alone} | "
+                     f"{bound} |")
     return lines
 
 
@@ -365,8 +386,11 @@ def render(r: dict, argv: list[str] | None) -> str:
              "Batch 1: prompts one after another, generated tokens/s including prefill. 32 streams: all at once, "
              "aggregate generated tokens/s; a static batch for the peers without continuous batching, whose TTFT "
              "is then the whole batch's. Exact rows / mean prefix: greedy agreement of the 32 streams with fp32 "
-             "transformers. Batch 1 ÷ bound: attnserve in-process against its graph's weight bytes over the read "
-             "bandwidth.", ""]
+             "transformers. Alone = among 32: the batch-1 prompts are the first of the 32, and this counts those "
+             "whose greedy ids alone were exactly their ids among the 32 (batch invariance). int8-per-tensor: "
+             "attnserve's former INT8 graph (onnxruntime's dynamic quantization, one activation scale per batch), "
+             "beside int8 (one scale per row). Batch 1 ÷ bound: attnserve in-process against its graph's weight "
+             "bytes over the read bandwidth.", ""]
     for info in r["sizes"]:
         rows = [row for row in r["rows"] if row["size"] == info["size"]]
         lines += [f"### {info['size']}: {info['arch']}, {info['parameters'] / 1e6:.1f} M parameters, "

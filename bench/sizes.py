@@ -14,9 +14,11 @@
 Each size is an attnserve model directory, the same weights as a Hugging Face directory
 (`attnserve export-hf`: config.json with n_ctx for GPT-2, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json), and a bundle with the serving graphs "static" (fp32,
-checked against PyTorch with `export.verify.verify_static`), "static-int8", and "static-int4" when
-`export_bundle` can write it. `prepare` builds them under `work/<size>/` once and reuses them while
-the stamp `work/<size>/prepared.json` matches what would be built.
+checked against PyTorch with `export.verify.verify_static`), "static-int8" (activations quantized per
+row: batch-invariant), "static-int8-per-tensor" (onnxruntime's dynamic INT8, one activation scale per
+batch: the former INT8 graph, measured beside it), and "static-int4" when `export_bundle` can write
+it. `prepare` builds them under `work/<size>/` once and reuses them while the stamp
+`work/<size>/prepared.json` matches what would be built.
 
 Random weights. At the usual initialisation (std 0.02 everywhere) a random model with a tied head
 repeats itself under greedy decoding: the last token's embedding dominates the final residual
@@ -78,7 +80,7 @@ SIZES = ("shipped", "gpt2-124m", "smollm2-135m")
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODEL = ROOT / "models" / "shakespeare"
 STAMP = "prepared.json"
-RECIPE = 2  # bumped when the weights, the tokenizer or the bundle of a size would change; the stamp records it
+RECIPE = 3  # bumped when the weights, the tokenizer or the bundle of a size would change; the stamp records it
 
 SEED = 0
 # norm of a random model's token and position embeddings (std EMBEDDING_NORM / sqrt(d_model)); through the tied
@@ -124,7 +126,8 @@ class Prepared:
     size: str  # one of SIZES
     model_dir: Path  # attnserve model directory (config.json, model.safetensors, tokenizer.json ...)
     hf_dir: Path  # the same weights as a Hugging Face directory (export-hf): GPT2LMHeadModel or LlamaForCausalLM
-    bundle: Path  # ONNX bundle: graphs "static" (fp32), "static-int8", and "static-int4" when export supports it
+    bundle: Path  # ONNX bundle: graphs "static" (fp32), "static-int8", "static-int8-per-tensor", and "static-int4"
+    # when export supports it
     arch: str  # "gpt" or "llama"
     parameters: int  # parameters of the model, the tied head counted once
     vocab_size: int  # ids the embedding and the output head cover (= the tokenizer's)
@@ -206,12 +209,13 @@ def int4_supported() -> bool:
 
 
 def write_bundle(model_dir: Path, out: Path, name: str, int4: bool) -> list[str]:
-    """The serving graphs: static (fp32), static-int8, static-int4 when asked (the standard fp32 graph is
-    left out; its INT8 form stays, as `export --int8 --no-fp32` writes)."""
+    """The serving graphs: static (fp32), static-int8, static-int8-per-tensor, static-int4 when asked (the
+    standard fp32 graph is left out; its INT8 form stays, as `export --int8 --no-fp32` writes)."""
     from export.cli import export_bundle
 
     extra = {"int4": True} if int4 else {}
-    return export_bundle(model_dir, out, name=name, int8=True, keep_fp32=False, **extra)
+    return export_bundle(model_dir, out, name=name, int8=True, int8_per_tensor=True, keep_fp32=False,
+                         **extra)
 
 
 def random_model(config, init: Init, seed: int = SEED):

@@ -19,7 +19,7 @@ request at a time, the streams are 32 requests added at once; a sequence's first
 `step(emit=...)` hands it out (right after its prefill, before the decode rows run). Over gRPC: one
 `GenerateStream` per sequence on one channel, batch 1 one after another and the 32 streams at once
 (no stagger); TTFT = send → the first message with a token. The `tokens` are the 32 streams' ids as
-the timed warm-up round received them.
+the untimed warm-up round received them; the `single_tokens` are the ids of the first batch-1 repeat.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 from bench.peers.protocol import Recorder, emit, peak_rss_bytes, read_spec
+from bench.peers.systems import GRAPHS
 
-GRAPH_PRECISION = {"static": "fp32", "static-int8": "int8", "static-int4": "int4"}
+GRAPH_PRECISION = {graph: precision for precision, graph in GRAPHS.items()}
 MODES = ("in-process", "grpc")
 
 
@@ -84,12 +85,13 @@ def in_process(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[lis
     rec = Recorder(spec)
     tokens, _, _ = engine_run(engine, spec["streams"], new, "warm")
     for r in range(spec["repeats"]):
-        times, ttfts = [], []
+        times, ttfts, alone = [], [], []
         for i, prompt in enumerate(spec["single"]):
-            _, seconds, first = engine_run(engine, [prompt], new, f"b1-{r}-{i}")
+            ids, seconds, first = engine_run(engine, [prompt], new, f"b1-{r}-{i}")
             times.append(seconds)
             ttfts.append(first[0])
-        rec.add_single(times, ttfts)
+            alone.append(ids[0])
+        rec.add_single(times, ttfts, alone)
         _, seconds, firsts = engine_run(engine, spec["streams"], new, f"streams-{r}")
         rec.add_streams(seconds, firsts)
     settings = {"graph": engine.runner.graph_name, "threads": "onnxruntime default (one per core)",
@@ -134,12 +136,13 @@ async def grpc_rounds(address: str, spec: dict) -> tuple[Recorder, list[list[int
         await channel.channel_ready()
         tokens, _, _ = await grpc_run(stub, spec["streams"], new)
         for _ in range(spec["repeats"]):
-            times, ttfts = [], []
+            times, ttfts, alone = [], [], []
             for prompt in spec["single"]:
-                _, seconds, first = await grpc_run(stub, [prompt], new)
+                ids, seconds, first = await grpc_run(stub, [prompt], new)
                 times.append(seconds)
                 ttfts.append(first[0])
-            rec.add_single(times, ttfts)
+                alone.append(ids[0])
+            rec.add_single(times, ttfts, alone)
             _, seconds, firsts = await grpc_run(stub, spec["streams"], new)
             rec.add_streams(seconds, firsts)
     return rec, tokens

@@ -22,7 +22,8 @@ yields. The 32 streams: one static `generate_batch` of the 32 prompts (CTranslat
 batching; its documented way to serve many sequences is to batch them) with a per-token `callback`,
 which gives each row's first token time. Prompts are passed as token strings (the tokenizer's
 `convert_ids_to_tokens`; CTranslate2's vocabulary is the tokenizer's, in id order) and results are read
-back as `sequences_ids`.
+back as `sequences_ids`. A batch-1 prompt's ids alone are those `generate_tokens` streamed (CTranslate2
+runs it as a batch of one through the same decoding as `generate_batch`).
 """
 
 from __future__ import annotations
@@ -106,14 +107,15 @@ def measure(peer: Peer, spec: dict) -> tuple[Recorder, list[list[int]]]:
         if len(row) != new:
             raise SystemExit(f"CTranslate2 generated {len(row)} tokens, expected {new}")
     for _ in range(spec["repeats"]):
-        times, ttfts = [], []
+        times, ttfts, alone = [], [], []
         for prompt in spec["single"]:
             ids, seconds, ttft = peer.stream_one(prompt, new)
             if len(ids) != new:
                 raise SystemExit(f"CTranslate2 streamed {len(ids)} tokens, expected {new}")
             times.append(seconds)
             ttfts.append(ttft)
-        rec.add_single(times, ttfts)
+            alone.append(ids)
+        rec.add_single(times, ttfts, alone)
         _, seconds, firsts = peer.batch(spec["streams"], new)
         rec.add_streams(seconds, firsts)
     return rec, tokens

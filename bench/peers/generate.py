@@ -161,12 +161,13 @@ def measure(model, spec: dict) -> tuple[Recorder, list[list[int]]]:
         generate(model, spec["single"][:1], min(new, 4), eos)  # warm-up at both shapes
         tokens, _, _ = generate(model, spec["streams"], new, eos)  # the greedy ids, and a full warm-up
         for _ in range(spec["repeats"]):
-            times, ttfts = [], []
+            times, ttfts, alone = [], [], []
             for prompt in spec["single"]:
-                _, seconds, ttft = generate(model, [prompt], new, eos)
+                ids, seconds, ttft = generate(model, [prompt], new, eos)
                 times.append(seconds)
                 ttfts.append(ttft)
-            rec.add_single(times, ttfts)
+                alone.append(ids[0])
+            rec.add_single(times, ttfts, alone)
             _, seconds, ttft = generate(model, spec["streams"], new, eos)
             rec.add_streams(seconds, [ttft] * len(spec["streams"]))
     return rec, tokens

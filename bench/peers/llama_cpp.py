@@ -35,7 +35,9 @@ are cached by path: `<work>/<hf dir name>-<type>.gguf`, so one work folder per m
   see the traps).
 
 **How it is measured.** Server: one untimed warm-up, the 32 stream prompts at once without streaming
-(`return_tokens`), whose greedy ids are the result's `tokens`; then per repeat the `single` prompts one
+(`return_tokens`), whose greedy ids are the result's `tokens`, then the `single` prompts one after
+another, likewise not streamed and untimed, whose ids (each prompt alone on the server) are its
+`single_tokens`; then per repeat the `single` prompts one
 after another and the 32 `streams` prompts at once, streamed over server-sent events with httpx2 (one
 keep-alive connection per stream, opened before the clock starts, anew for each phase, as the server
 closes a connection idle for 5 s). TTFT = send → the first chunk that carries a token; batch-1
@@ -49,8 +51,8 @@ batched-bench: `tokens_per_s` = B × N / (T_PP + T_TG), generated tokens over pr
 the server's figure, with
 `-ntg N−1` because the prefill already yields the first token (N − 1 decode steps make N tokens);
 its own S_TG (decode only, (N−1)·B / T_TG) is kept beside it as `s_tg_tokens_per_s`. It has no TTFT
-and no token ids (None), prefills random tokens of the prompts' length, and samples nothing.
-Peak RSS is the process's VmHWM, read from `/proc/<pid>/status` every 20 ms while it runs.
+and no token ids (`tokens` and `single_tokens` None), prefills random tokens of the prompts' length,
+and samples nothing. Peak RSS is the process's VmHWM, read from `/proc/<pid>/status` every 20 ms while it runs.
 
 **Traps, and what is done about each.**
 
@@ -68,7 +70,8 @@ Peak RSS is the process's VmHWM, read from `/proc/<pid>/status` every 20 ms whil
   reply's `generation_settings`, with "penalties" first in its default samplers); every request sets
   1.0, and its sampler chain (`samplers: ["top_k"]`) has no penalties sampler at all.
 - *Streaming and ids*: a streamed chunk is held back while the text ends inside a UTF-8 character,
-  and the final chunk of a stream carries no ids, so the ids come from the non-streamed warm-up;
+  and the final chunk of a stream carries no ids, so the ids come from the non-streamed warm-up
+  (the batch-1 prompts' too, each sent alone as in the timed batch-1 runs);
   the streamed runs count tokens with `tokens_predicted`, and a held-back first token delays the
   TTFT seen by the client to the chunk that carries it, as any client of the server sees it.
 - *batched-bench's rows*: llama.cpp prints its log from a thread of its own and may exit before that
@@ -282,16 +285,18 @@ class Completions:
         return final
 
 
-async def drive(url: str, spec: dict) -> tuple[list[list[int]], dict, dict, int]:
-    """The warm-up (whose ids are the result's tokens), then per repeat the batch-1 prompts in turn and
-    the streams at once: (tokens, single, streams) as the protocol has them, and the requests retried.
-    Each phase opens its connections anew: the server closes a connection that idles for 5 s."""
+async def drive(url: str, spec: dict) -> tuple[list[list[int]], list[list[int]], dict, dict, int]:
+    """The warm-up (the streams at once, then the batch-1 prompts in turn: the result's tokens and
+    single_tokens), then per repeat the batch-1 prompts in turn and the streams at once: (tokens,
+    single_tokens, single, streams) as the protocol has them, and the requests retried. Each phase opens
+    its connections anew: the server closes a connection that idles for 5 s."""
     n, prompts = spec["new_tokens"], spec["streams"]
     single = {"tokens_per_s": [], "ttft_s": []}
     many = {"n": len(prompts), "tokens_per_s": [], "ttft_p50_s": [], "ttft_p99_s": []}
     retried = 0
     async with Completions.connected(url, len(prompts)) as client:
         tokens = await asyncio.gather(*(client.generate(p, n) for p in prompts))
+        single_tokens = [await client.generate(p, n) for p in spec["single"]]
         retried += client.retried
     for _ in range(spec["repeats"]):
         async with Completions.connected(url, 1) as client:
@@ -307,7 +312,7 @@ async def drive(url: str, spec: dict) -> tuple[list[list[int]], dict, dict, int]
         many["tokens_per_s"].append(n * len(records) / elapsed)
         many["ttft_p50_s"].append(percentile(ttfts, 50))
         many["ttft_p99_s"].append(percentile(ttfts, 99))
-    return list(tokens), single, many, retried
+    return list(tokens), single_tokens, single, many, retried
 
 
 class LlamaServer:
@@ -349,7 +354,7 @@ class LlamaServer:
 def measure_server(bin_dir: Path, gguf: Path, spec: dict, threads: int, work: Path) -> dict:
     context = context_per_sequence(spec) * SLOTS
     with LlamaServer(bin_dir, gguf, context, threads, work / f"{gguf.stem}-server.log") as server:
-        tokens, single, streams, retried = asyncio.run(drive(server.url, spec))
+        tokens, single_tokens, single, streams, retried = asyncio.run(drive(server.url, spec))
         peak = server.peak_rss_bytes()
     slot = re.search(r"n_ctx_slot = (\d+)", server.log.read_text())  # as it sized them: padded, capped at training
     settings = {"threads": threads, "threads_batch": threads, "parallel": SLOTS, "cont_batching": True,
@@ -359,11 +364,12 @@ def measure_server(bin_dir: Path, gguf: Path, spec: dict, threads: int, work: Pa
                 "request": request_body(["ids"], spec["new_tokens"], stream=True),
                 "client": "POST /completion streamed (SSE), httpx2, one keep-alive connection per stream",
                 "ttft": "send to the first chunk that carries a token",
-                "warm_up": "the streams' prompts at once, not streamed; their ids are `tokens`",
+                "warm_up": "the streams' prompts at once, then the batch-1 prompts one by one, not streamed; "
+                           "their ids are `tokens` and `single_tokens`",
                 "retried": retried,  # requests sent again: the server closed their kept-alive connection
                 "command": " ".join(Path(a).name if a.startswith("/") else a for a in server.args)}
     return {"system": "llama.cpp server", "settings": settings, "single": single, "streams": streams,
-            "tokens": tokens, "peak_rss_bytes": peak}
+            "tokens": tokens, "single_tokens": single_tokens, "peak_rss_bytes": peak}
 
 
 def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
@@ -423,7 +429,7 @@ def measure_batched_bench(bin_dir: Path, gguf: Path, spec: dict, threads: int, w
                 "ttft": None, "warm_up": "its own (one 16-token batch before timing)",
                 "command": " ".join(Path(a).name if a.startswith("/") else a for a in cmd)}
     return {"system": "llama.cpp batched-bench", "settings": settings, "single": single, "streams": streams,
-            "tokens": None, "peak_rss_bytes": peak}
+            "tokens": None, "single_tokens": None, "peak_rss_bytes": peak}
 
 
 def measure(hf_dir: Path, work: Path, precision: str, spec: dict, mode: str) -> dict:
@@ -439,10 +445,11 @@ def measure(hf_dir: Path, work: Path, precision: str, spec: dict, mode: str) -> 
 
 
 def default_spec(vocab: int, quick: bool, seed: int = 0) -> dict:
-    """16-token prompts (8 with `quick`), 128 new tokens (8), 3 batch-1 prompts (2) and 32 streams."""
+    """16-token prompts (8 with `quick`), 128 new tokens (8), 32 streams and, as `bench.compare` has them,
+    their first 3 prompts (2) for batch 1."""
     prompt_tokens, new_tokens, singles = (8, 8, 2) if quick else (16, 128, 3)
-    ids = [item.prompt for item in workload.fixed(singles + SLOTS, prompt_tokens, new_tokens, vocab, seed)]
-    return {"new_tokens": new_tokens, "single": ids[:singles], "streams": ids[singles:], "repeats": 1}
+    ids = [item.prompt for item in workload.fixed(SLOTS, prompt_tokens, new_tokens, vocab, seed)]
+    return {"new_tokens": new_tokens, "single": ids[:singles], "streams": ids, "repeats": 1}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.hf_dir, args.work, args.precision, spec, args.mode)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    shown = {k: v for k, v in result.items() if k != "tokens"}
+    shown = {k: v for k, v in result.items() if k not in ("tokens", "single_tokens")}
     print(json.dumps(shown, indent=1))
     return 0
 

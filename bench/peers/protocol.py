@@ -9,13 +9,16 @@ Spec:   {"new_tokens": N, "single": [[ids], ...], "streams": [[ids] x 32], "repe
 Result: {"system", "precision", "settings", "versions",
          "single": {"tokens_per_s": [..per repeat..], "ttft_s": [..]},
          "streams": {"n", "tokens_per_s": [..], "ttft_p50_s": [..], "ttft_p99_s": [..]},
-         "tokens": [[N ids] x 32], "peak_rss_bytes": int}
+         "tokens": [[N ids] x 32], "single_tokens": [[N ids] per single prompt], "peak_rss_bytes": int}
 
 Batch 1 runs the `single` prompts one after another: tokens/s = their new tokens over their summed
 times (prefill included), TTFT = the median over the prompts of send → first token. Streams: the 32
 prompts at once, aggregate generated tokens/s over first send → last token, and TTFT percentiles over
-the 32 sequences. `tokens` are the greedy ids of the `streams` prompts. Peak RSS is the VmHWM of the
-process that holds the model.
+the 32 sequences. `tokens` are the greedy ids of the `streams` prompts, `single_tokens` those of the
+`single` prompts as batch 1 generated them alone (its first repeat): `bench.compare` makes the `single`
+prompts the first of the `streams`, so the two say whether a prompt's tokens depend on the batch it
+ran in. A system without token ids (llama.cpp's batched-bench) gives None for both. Peak RSS is the
+VmHWM of the process that holds the model.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-PRECISIONS = ("fp32", "f16", "int8", "q8_0", "q4_0", "int4")
+PRECISIONS = ("fp32", "f16", "int8", "int8-per-tensor", "q8_0", "q4_0", "int4")
 STREAMS = 32
 
 
@@ -71,10 +74,13 @@ class Recorder:
     def __init__(self, spec: dict):
         self.spec = spec
         self.single = {"tokens_per_s": [], "ttft_s": []}
+        self.single_tokens: list[list[int]] | None = None  # the first repeat's batch-1 ids
         self.streams = {"n": len(spec["streams"]), "tokens_per_s": [], "ttft_p50_s": [], "ttft_p99_s": []}
 
-    def add_single(self, seconds: list[float], ttfts: list[float]) -> None:
-        """One repeat of batch 1: each prompt's time (send → last token) and TTFT."""
+    def add_single(self, seconds: list[float], ttfts: list[float], tokens: list[list[int]]) -> None:
+        """One repeat of batch 1: each prompt's time (send → last token), TTFT and generated ids."""
+        if self.single_tokens is None:
+            self.single_tokens = tokens
         self.single["tokens_per_s"].append(self.spec["new_tokens"] * len(seconds) / sum(seconds))
         self.single["ttft_s"].append(statistics.median(ttfts) if ttfts else math.nan)
 
@@ -89,8 +95,12 @@ class Recorder:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
         check_tokens(tokens, len(self.spec["streams"]), self.spec["new_tokens"], system)
+        if self.single_tokens is None:
+            raise RuntimeError(f"{system} ran no batch-1 repeat")
+        check_tokens(self.single_tokens, len(self.spec["single"]), self.spec["new_tokens"], f"{system} (batch 1)")
         return {"system": system, "precision": precision, "settings": settings, "versions": versions,
                 "single": self.single, "streams": self.streams, "tokens": tokens,
+                "single_tokens": self.single_tokens,
                 "peak_rss_bytes": peak_rss if peak_rss is not None else peak_rss_bytes()}
 
 

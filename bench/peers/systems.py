@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "bench" / "peers"
 VENVS = {"optimum": ROOT / ".venv-peers", "openvino": ROOT / ".venv-openvino", "ctranslate2": ROOT / ".venv-ct2"}
 REFERENCE = "transformers:fp32"  # greedy agreement is counted against this system's tokens
+# attnserve's precisions -> the bundle's graph; int8-per-tensor is the former INT8 graph (onnxruntime's dynamic
+# quantization, one activation scale per batch: not batch-invariant), measured beside int8 (per row)
+GRAPHS = {"fp32": "static", "int8": "static-int8", "int8-per-tensor": "static-int8-per-tensor",
+          "int4": "static-int4"}
 
 
 @dataclass(frozen=True)
 class System:
     family: str  # transformers, optimum, ctranslate2, openvino, llama.cpp, llama.cpp-batched, attnserve, attnserve-grpc
-    precision: str  # the protocol's precision (fp32, f16, int8, q8_0, q4_0, int4)
+    precision: str  # the protocol's precision (fp32, f16, int8, int8-per-tensor, q8_0, q4_0, int4)
     label: str  # the table's name
 
     @property
@@ -40,7 +44,7 @@ class System:
 
     @property
     def graph(self) -> str:  # attnserve only
-        return {"fp32": "static", "int8": "static-int8", "int4": "static-int4"}[self.precision]
+        return GRAPHS[self.precision]
 
 
 SYSTEMS = (
@@ -52,8 +56,8 @@ SYSTEMS = (
     System("openvino", "int8", "OpenVINO"),
     *(System("llama.cpp", p, "llama.cpp server") for p in ("fp32", "f16", "q8_0", "q4_0")),
     *(System("llama.cpp-batched", p, "llama.cpp batched-bench") for p in ("fp32", "f16", "q8_0", "q4_0")),
-    *(System("attnserve", p, "attnserve in-process") for p in ("fp32", "int8", "int4")),
-    *(System("attnserve-grpc", p, "attnserve gRPC") for p in ("fp32", "int8", "int4")),
+    *(System("attnserve", p, "attnserve in-process") for p in GRAPHS),
+    *(System("attnserve-grpc", p, "attnserve gRPC") for p in GRAPHS),
 )
 LLAMA_TYPES = {"fp32": "f32", "f16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}
 

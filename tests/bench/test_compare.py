@@ -9,15 +9,19 @@ import sys
 import pytest
 
 from bench import compare
-from bench.compare import agreement, evaluate, make_spec, render, rotated, summarize_system
+from bench.compare import agreement, alone_equals_batched, evaluate, make_spec, render, rotated, summarize_system
 from bench.peers import protocol, systems
 from bench.peers.systems import SYSTEMS, System, select
 
 
-def result(tps1: float, tps32: float, tokens=None, ttft=0.01, rss=100 * 2**20) -> dict:
+def result(tps1: float, tps32: float, tokens=None, ttft=0.01, rss=100 * 2**20, single_tokens=None) -> dict:
+    """One round's result; the batch-1 ids default to the first three streams' (a batch-invariant system)."""
+    if single_tokens is None and tokens is not None:
+        single_tokens = tokens[:3]
     return {"single": {"tokens_per_s": [tps1], "ttft_s": [ttft]},
             "streams": {"n": 32, "tokens_per_s": [tps32], "ttft_p50_s": [ttft * 5], "ttft_p99_s": [ttft * 6]},
-            "tokens": tokens, "peak_rss_bytes": rss, "settings": {"threads": 2}, "versions": {"x": "1"}}
+            "tokens": tokens, "single_tokens": single_tokens, "peak_rss_bytes": rss, "settings": {"threads": 2},
+            "versions": {"x": "1"}}
 
 
 REF = [[1, 2, 3, 4]] * 32
@@ -41,8 +45,42 @@ def test_every_system_gets_the_same_prompts_and_token_count():
     spec = make_spec(4096, 16, 128, 3, seed=0)
     assert spec == make_spec(4096, 16, 128, 3, seed=0)
     assert len(spec["single"]) == 3 and len(spec["streams"]) == 32 and spec["new_tokens"] == 128
-    assert all(len(p) == 16 and all(1 <= t < 4096 for t in p) for p in spec["single"] + spec["streams"])
-    assert spec["single"] + spec["streams"] == [i.prompt for i in compare.workload.fixed(35, 16, 128, 4096, 0)]
+    assert all(len(p) == 16 and all(1 <= t < 4096 for t in p) for p in spec["streams"])
+    assert spec["streams"] == [i.prompt for i in compare.workload.fixed(32, 16, 128, 4096, 0)]
+    assert len({tuple(p) for p in spec["streams"]}) == 32  # distinct prompts, so a row is one prompt's
+
+
+def test_the_batch_1_prompts_are_the_first_streams_so_each_runs_alone_and_among_32():
+    spec = make_spec(4096, 16, 128, 4, seed=1)
+    assert spec["single"] == spec["streams"][:4]
+    assert make_spec(4096, 16, 128, 32, seed=1)["single"] == spec["streams"]
+    for singles in (0, 33):
+        with pytest.raises(ValueError, match="first of the 32 streams"):
+            make_spec(4096, 16, 128, singles, seed=1)
+
+
+def test_alone_equals_batched_counts_the_batch_1_prompts_with_the_same_ids_among_32():
+    streams = [[i, i + 1, i + 2] for i in range(32)]
+    assert alone_equals_batched(streams[:4], streams) == 4
+    assert alone_equals_batched([[0, 1, 2], [1, 2, 9], [2, 3, 4]], streams) == 2  # one token off is a miss
+    assert alone_equals_batched([[1, 2, 3]], streams) == 0  # compared with its own row (the first), not any row
+    assert alone_equals_batched(None, streams) is None and alone_equals_batched(streams[:1], None) is None
+    with pytest.raises(ValueError):  # more batch-1 results than prompts: not this spec's
+        alone_equals_batched(streams + [[0]], streams)
+
+
+def test_a_row_shows_how_many_batch_1_prompts_got_their_ids_among_32():
+    tokens = [[i, 0, 0, 0] for i in range(32)]
+    drifted = summarize_system(System("transformers", "fp32", "transformers"), "gpt2-124m",
+                               [result(10, 100, tokens, single_tokens=[tokens[0], [1, 0, 0, 7], tokens[2]])], REF)
+    assert (drifted["alone_equals_batched"], drifted["alone_prompts"]) == (2, 3)
+    no_ids = summarize_system(System("llama.cpp-batched", "q8_0", "llama.cpp batched-bench"), "gpt2-124m",
+                              [result(10, 100)], REF)
+    assert no_ids["alone_equals_batched"] is None and no_ids["alone_prompts"] is None
+    lines = compare.table([drifted, no_ids])
+    assert "alone = among 32" in lines[0] and lines[0].count("|") == lines[1].count("|")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "| 2/3 |" in lines[2] and "| — |" in lines[3]
 
 
 def test_rounds_rotate_the_order_so_every_system_takes_each_place():
@@ -66,6 +104,7 @@ def test_a_row_is_the_median_over_rounds():
     assert r["single_tokens_per_s"] == 20 and r["streams_tokens_per_s"] == 200
     assert r["peak_rss_bytes"] == 300 * 2**20  # the largest of the rounds
     assert r["exact_rows"] == 32 and r["tokens_same_every_round"] is True
+    assert (r["alone_equals_batched"], r["alone_prompts"]) == (3, 3)
 
 
 def test_targets_per_size_and_precision_class():
@@ -92,6 +131,19 @@ def test_targets_per_size_and_precision_class():
     assert ("4-bit", "32 gRPC streams") not in t  # neither side measured: no verdict at all
 
 
+def test_the_per_tensor_int8_graph_is_shown_but_is_neither_ours_nor_a_peer_in_a_target():
+    rows = [row("ctranslate2", "int8", 250, 2000), row("attnserve-grpc", "int8", 320, 2500),
+            row("attnserve-grpc", "int8-per-tensor", 9000, 90000, tokens=[[9, 9, 9, 9]] * 32),
+            row("attnserve", "int8-per-tensor", 9000, 90000)]
+    assert "int8-per-tensor" in compare.CLASSES["8-bit"] and compare.OURS["8-bit"] == "int8"
+    assert [r["key"] for r in compare.class_peers(rows, "gpt2-124m", "8-bit")] == ["ctranslate2:int8"]
+    t = {x["target"].split(" ≥")[0]: x for x in evaluate(rows) if x["class"] == "8-bit"}
+    assert t["32 gRPC streams"]["ours"] == 2500 and t["32 gRPC streams"]["peer"] == "CTranslate2 int8"
+    assert t["greedy agreement with fp32 transformers"]["ours"] == (32, 4)
+    assert System("attnserve-grpc", "int8-per-tensor", "attnserve gRPC").graph == "static-int8-per-tensor"
+    assert {s.key for s in select("attnserve", "")} >= {"attnserve:int8", "attnserve:int8-per-tensor"}
+
+
 def test_a_side_not_measured_gives_no_verdict():
     verdicts = evaluate([row("llama.cpp", "q4_0", 100, 500)])
     assert verdicts and all(v["met"] is None for v in verdicts)
@@ -116,16 +168,24 @@ def test_the_report_names_every_system_target_and_skip(tmp_path):
 
 
 def test_the_protocol_checks_token_counts_and_precisions():
-    spec = {"new_tokens": 2, "single": [[1]], "streams": [[1]] * 32, "repeats": 1}
+    spec = {"new_tokens": 2, "single": [[1]], "streams": [[1]] * 32, "repeats": 2}
     rec = protocol.Recorder(spec)
-    rec.add_single([0.5], [0.1])
+    with pytest.raises(RuntimeError, match="no batch-1 repeat"):
+        rec.result("x", "int8", {}, {}, [[1, 2]] * 32, peak_rss=1)
+    rec.add_single([0.5], [0.1], [[3, 4]])
+    rec.add_single([0.5], [0.1], [[5, 6]])  # a later repeat's ids are not kept
     rec.add_streams(2.0, [0.1] * 32)
-    out = rec.result("x", "int8", {}, {}, [[1, 2]] * 32, peak_rss=1)
-    assert out["single"]["tokens_per_s"] == [4.0] and out["streams"]["tokens_per_s"] == [32.0]
+    out = rec.result("x", "int8-per-tensor", {}, {}, [[1, 2]] * 32, peak_rss=1)
+    assert out["single"]["tokens_per_s"] == [4.0, 4.0] and out["streams"]["tokens_per_s"] == [32.0]
+    assert out["single_tokens"] == [[3, 4]]
     with pytest.raises(RuntimeError, match="expected 32 rows of 2"):
         rec.result("x", "int8", {}, {}, [[1]] * 32, peak_rss=1)
     with pytest.raises(ValueError, match="precision"):
         rec.result("x", "bf16", {}, {}, [[1, 2]] * 32, peak_rss=1)
+    short = protocol.Recorder(spec)
+    short.add_single([0.5], [0.1], [[3]])
+    with pytest.raises(RuntimeError, match=r"\(batch 1\) returned \[1\] tokens per row, expected 1 rows of 2"):
+        short.result("x", "int8", {}, {}, [[1, 2]] * 32, peak_rss=1)
     assert protocol.peak_rss_bytes() > 0
 
 
@@ -141,10 +201,16 @@ def test_a_quick_run_measures_attnserve_and_skips_a_missing_peer_in_one_line(tmp
     assert len(skipped) == 2 and all("no-such-venv is missing (make bench-peers)" in s for s in skipped)
     r = json.loads((out / "compare.json").read_text())
     keys = {row["key"]: row for row in r["rows"]}
-    assert set(keys) == {"transformers:fp32", "attnserve:fp32", "attnserve:int8", "attnserve-grpc:fp32"}
+    assert set(keys) == {"transformers:fp32", "attnserve:fp32", "attnserve:int8", "attnserve:int8-per-tensor",
+                         "attnserve-grpc:fp32"}
     assert keys["transformers:fp32"]["exact_rows"] == 32  # the reference agrees with itself
     # the fp32 graph reproduces fp32 transformers' greedy ids, in-process and over gRPC
     assert keys["attnserve:fp32"]["exact_rows"] == 32 and keys["attnserve-grpc:fp32"]["exact_rows"] == 32
+    # every system's batch-1 prompt was compared with its own row among the 32; attnserve's graphs but the
+    # per-tensor one are batch-invariant, so there it is the same
+    assert all(row["alone_prompts"] == 1 and row["alone_equals_batched"] in (0, 1) for row in r["rows"])
+    assert all(keys[k]["alone_equals_batched"] == 1 for k in ("attnserve:fp32", "attnserve:int8",
+                                                                "attnserve-grpc:fp32"))
     assert all(row["peak_rss_bytes"] > 0 and row["streams_tokens_per_s"] > 0 for row in r["rows"])
     assert (out / "compare.png").is_file()
 

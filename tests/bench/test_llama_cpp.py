@@ -97,7 +97,8 @@ def test_server_greedy_tokens_are_transformers_greedy_tokens(lively_hf, work):
     prompts = [[5, 17, 42, 99, 7, 250], [120, 3, 3, 64]]
     spec = {"new_tokens": 4, "single": prompts[:1], "streams": prompts, "repeats": 1}
     result = llama_cpp.measure(lively_hf, work, "f32", spec, "server")
-    assert result["tokens"] == greedy_transformers(lively_hf, prompts, 4)
+    want = greedy_transformers(lively_hf, prompts, 4)
+    assert result["tokens"] == want and result["single_tokens"] == want[:1]  # among 2, and the first alone
     assert result["system"] == "llama.cpp server" and result["precision"] == "fp32"
     assert result["streams"]["n"] == 2
     for figures in (result["single"]["tokens_per_s"], result["single"]["ttft_s"], result["streams"]["tokens_per_s"],
@@ -132,6 +133,6 @@ def test_batched_bench_reports_batch_1_and_all_streams(lively_hf, work):
     spec = {"new_tokens": 4, "single": [[1, 2, 3, 4]], "streams": [[5, 6, 7, 8], [9, 10, 11, 12]], "repeats": 1}
     result = llama_cpp.measure(lively_hf, work, "q8_0", spec, "batched-bench")
     assert result["system"] == "llama.cpp batched-bench" and result["precision"] == "q8_0"
-    assert result["tokens"] is None and result["single"]["ttft_s"] is None
+    assert result["tokens"] is None and result["single_tokens"] is None and result["single"]["ttft_s"] is None
     assert result["single"]["tokens_per_s"][0] > 0 and result["streams"]["tokens_per_s"][0] > 0
     assert result["streams"]["n"] == 2 and result["settings"]["ntg"] == 3 and result["peak_rss_bytes"] > 0
