@@ -50,7 +50,7 @@ PRECISION_RANK = {"float32": 0, "float16": 1, "int8": 2, "int4": 3}
 @dataclass
 class Candidate:
     runner: StaticRunner
-    checked: SelfCheck | None
+    checked: SelfCheck | None  # what the self-check measured (None only for candidates made up by tests)
     step_ms: dict[int, float]  # batch size -> median decode step time
 
     @property
@@ -59,8 +59,8 @@ class Candidate:
 
     def describe(self) -> str:
         times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items()) or "not timed"
-        agreed = self.checked and self.checked.agreement
-        agreed = f"; top-1 agreement {agreed.top1:.1%}" if agreed else ""
+        agreement = self.checked.agreement if self.checked else None
+        agreed = f"; top-1 agreement {agreement.top1:.1%}" if agreement else ""
         invariant = "; batch-invariant" if self.checked and self.checked.invariance.identical else ""
         return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}{invariant}"
 
