@@ -4,14 +4,19 @@ onnxruntime's dynamic quantization (`DynamicQuantizeMatMul`) gives the whole act
 scale, so every row of a batch rounds by the largest value of any row: a request's logits change
 with what else is in the batch. Here each MatMul with a constant weight becomes
 
-    s   = max(|x|, over the row) / 127                     one scale per token  [..., 1]
-    x_q = QuantizeLinear(x / s, 1, 128)                     u8, 1...255, zero point 128 (rounds half to even)
-    y   = MatMulIntegerToFloat(x_q, W_q, s, w_scale, 128)   exact integer products, then y · s · w_scale
+    m   = max(|x| over the row)                              one scale per token, [..., 1]
+    x_q = QuantizeLinear(x / m, 1/127, 128)                  u8, 1...255, zero point 128 (rounds half to even)
+    y   = MatMulIntegerToFloat(x_q, W_q, m, w_scale/127, 128)   exact integer products, then y · m · w_scale/127
 
 with W_q per-column symmetric in 7 bits (-64...64), so a u8 × s8 pair sum fits 16 bits
 (255 · 64 · 2 = 32640) and no kernel saturates it (docs/onnx.md). Everything a row's output depends
 on is that row's: its scale, its integer dot products (exact, in any order and on any CPU), and
 elementwise float operations. A row's logits are therefore the same bits alone and in any batch.
+
+Five ops per MatMul: at batch 1 each costs a few microseconds of dispatch whatever its size, so the 1/127
+is folded into the quantizer's scale and the weight scales rather than spent on a Mul. An all-zero row
+gives x / 0 = NaN, which QuantizeLinear turns into some integer; its output is then scaled by m = 0, so
+the row's product is 0, as it should be.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with every MatMul whose second input is a 2-D fp32 initializer rewritten as above."""
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
-    shared = {"rowq_inv_max": np.array(1 / ACTIVATION_MAX, np.float32), "rowq_tiny": np.array(1e-30, np.float32),
-              "rowq_one": np.array(1, np.float32), "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
+    shared = {"rowq_step": np.array(1 / ACTIVATION_MAX, np.float32),
+              "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
     nodes, replaced = [], set()
     for node in graph.node:
         w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
@@ -61,6 +66,7 @@ def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
 def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.ndarray) -> list[onnx.NodeProto]:
     x, y, p = node.input[0], node.output[0], f"rowq_{node.name or node.output[0]}"
     w_q, w_scale = quantize_weight(w)
+    w_scale = (w_scale / ACTIVATION_MAX).astype(np.float32)  # the activations' 1/127, folded in
     graph.initializer.extend([numpy_helper.from_array(w_q, f"{p}_w"), numpy_helper.from_array(w_scale, f"{p}_ws")])
 
     def op(kind: str, inputs: list[str], out: str, **attrs) -> onnx.NodeProto:
@@ -69,10 +75,8 @@ def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.nd
     return [
         op("Abs", [x], f"{p}_abs"),
         op("ReduceMax", [f"{p}_abs"], f"{p}_max", axes=[-1], keepdims=1),
-        op("Max", [f"{p}_max", "rowq_tiny"], f"{p}_nonzero"),  # an all-zero row: scale 1e-30/127, x_q = 128
-        op("Mul", [f"{p}_nonzero", "rowq_inv_max"], f"{p}_scale"),
-        op("Div", [x, f"{p}_scale"], f"{p}_steps"),  # -127 ... 127
-        op("QuantizeLinear", [f"{p}_steps", "rowq_one", "rowq_zero_point"], f"{p}_q"),
-        helper.make_node("MatMulIntegerToFloat", [f"{p}_q", f"{p}_w", f"{p}_scale", f"{p}_ws", "rowq_zero_point"],
+        op("Div", [x, f"{p}_max"], f"{p}_unit"),  # -1 ... 1
+        op("QuantizeLinear", [f"{p}_unit", "rowq_step", "rowq_zero_point"], f"{p}_q"),  # 1 ... 255
+        helper.make_node("MatMulIntegerToFloat", [f"{p}_q", f"{p}_w", f"{p}_max", f"{p}_ws", "rowq_zero_point"],
                          [y], name=f"{p}_matmul", domain=MS_DOMAIN),
     ]

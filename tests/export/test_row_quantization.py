@@ -65,10 +65,11 @@ def test_the_graph_computes_the_documented_integer_arithmetic(weights):
     x = rows(6, 3)
     got = session(model).run(None, {"x": x})[0]
     q, w_scale = quantize_weight(w)
-    s = np.maximum(np.abs(x).max(-1, keepdims=True), np.float32(1e-30)) * np.float32(1 / ACTIVATION_MAX)
-    x_q = np.rint(x / s).astype(np.int64)  # QuantizeLinear rounds half to even, as rint does
+    m = np.abs(x).max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # the zero row: 0 / 0, scaled by m = 0 in the end
+        x_q = np.nan_to_num(np.rint(x / m / np.float32(1 / ACTIVATION_MAX))).astype(np.int64)  # half to even
     assert np.abs(x_q).max() <= ACTIVATION_MAX
-    want = (x_q @ q.astype(np.int64)).astype(np.float32) * w_scale * s + bias
+    want = (x_q @ q.astype(np.int64)).astype(np.float32) * (w_scale / ACTIVATION_MAX) * m + bias
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.isfinite(got).all() and np.array_equal(got[0, 0], bias)  # the zero row: exactly the bias
     np.testing.assert_allclose(got, x @ w + bias, atol=0.02 * np.abs(x @ w).max(-1, keepdims=True).max())
