@@ -55,3 +55,29 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class ThrottledLoopErrors:
+    """An event-loop exception handler that logs each kind of error at most once per `interval_s`, with
+    how many it left out. A process out of file handles makes asyncio report every failed accept; without
+    this, a flood of connections turns into a flood of log lines."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+        self._log = logging.getLogger("attnserve.server")
+
+    def __call__(self, loop, context: dict) -> None:
+        kind = str(context.get("message", "")) + type(context.get("exception")).__name__
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.interval_s) < self.interval_s:
+            self._dropped[kind] = self._dropped.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        dropped = self._dropped.pop(kind, 0)
+        exception = context.get("exception")
+        self._log.error("%s%s%s", context.get("message", "event loop error"),
+                        f": {exception}" if exception is not None else "",
+                        f" ({dropped} more like it in the last {self.interval_s:g} s)" if dropped else "",
+                        exc_info=exception if exception is not None and not dropped else None)

@@ -28,7 +28,10 @@ from service import logs
 from service.engine.async_engine import AsyncEngine
 from service.engine.errors import EngineStopped
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.fronts.file_handles import fit_connections
 from service.fronts.front_state import FrontState
+from service.fronts.grpc.decoding import MalformedMessages
+from service.fronts.grpc.options import server_options
 from service.fronts.grpc.security import BearerToken, server_credentials
 from service.fronts.grpc.servicer import SERVICE_NAME, TextGenerationService
 from service.fronts.http.app import HttpFront
@@ -60,12 +63,11 @@ class Server:
         self.http_port = 0
         self.metrics_port = 0
         token = settings.bearer_token()
-        self.http = HttpListener(HttpFront(self.state, token).app, settings) if settings.http_port else None
-        self.grpc = grpc.aio.server(interceptors=[BearerToken(token)] if token else [], options=[
-            ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
-            ("grpc.max_send_message_length", settings.max_send_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
+        max_connections = fit_connections(settings.max_connections, fronts=2 if settings.http_port else 1)
+        self.http = HttpListener(HttpFront(self.state, token).app, settings, self.metrics,
+                                 max_connections) if settings.http_port else None
+        interceptors = [MalformedMessages()] + ([BearerToken(token)] if token else [])
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=server_options(settings, max_connections))
         pb_grpc.add_TextGenerationServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -77,6 +79,7 @@ class Server:
     async def start(self) -> None:
         """Bind and report NOT_SERVING, load and warm the model, then report SERVING."""
         s = self.settings
+        asyncio.get_running_loop().set_exception_handler(logs.ThrottledLoopErrors())
         await self._set_health(NOT_SERVING)
         credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         address = f"{s.host}:{s.port}"

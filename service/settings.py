@@ -40,6 +40,23 @@ class ServerSettings(BaseSettings, EngineConfig):
     max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message (gRPC) or "
                                                                           "body (HTTP) accepted")
     max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
+    max_connections: int = Field(
+        1000, ge=1, description="connections each front (gRPC, HTTP) serves at once; beyond it gRPC refuses new "
+                                "connections and HTTP answers 503 (GET /health is still answered on a few more)")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a new connection must send its request headers (HTTP) or finish its handshake "
+                                "(gRPC) within this long, or it is closed")
+    body_timeout_s: float = Field(60.0, gt=0, description="an HTTP body must arrive within this long of its "
+                                                          "headers (408 beyond)")
+    idle_timeout_s: float = Field(
+        30.0, gt=0, description="a connection with no request in progress is closed after this long (HTTP "
+                                "keep-alive; gRPC max_connection_idle, sent as GOAWAY)")
+    write_timeout_s: float = Field(
+        30.0, gt=0, description="a response the client has not read for this long, with output waiting for it, "
+                                "is ended and its connection (HTTP) or stream (gRPC) closed")
+    max_connection_age_s: float = Field(
+        0.0, ge=0, description="gRPC: a connection is asked to go (GOAWAY) after this long, its calls given "
+                               "grace_period_s to finish, so that clients spread over new replicas (0 = never)")
     stream_interval_ms: float = Field(
         5.0, ge=0, le=1000, description="a stream message waits until its oldest token is this old (the first "
                                         "token goes at once); 0 = no wait")

@@ -224,6 +224,12 @@ class AsyncEngine:
             raise Overloaded(f"{waiting} requests are waiting (max_waiting={self.config.max_waiting}) and no KV "
                              f"slot is free for {n} more sequence(s); retry later")
 
+    def most_admitted_at_once(self, n: int = 1) -> int:
+        """The most requests of `n` sequences that `submit` can take one after another on an idle engine:
+        those its KV slots hold, or `max_waiting`, whichever is more (`_admit` counts requests not yet
+        started as waiting). A batch of more can never be admitted whole."""
+        return max(self.max_running // max(n, 1), self.config.max_waiting, 1)
+
     def _forget(self, stream: RequestStream) -> None:
         """The request has ended, in the engine or for its consumer: it no longer counts as in flight."""
         if self._streams.get(stream.request_id) is stream:

@@ -20,6 +20,7 @@ from service.engine.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -68,7 +69,7 @@ class StoppingCriteria:
     # stop strings, matched across token boundaries, not emitted
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     # ids that end the sequence (emitted as ids, no text)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False  # keep generating past EOS
 
 

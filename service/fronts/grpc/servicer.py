@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -17,13 +16,14 @@ from attnserve import __version__
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
-from service.engine.errors import Overloaded
+from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.front_state import Call, FrontState
 from service.fronts.grpc.protocol import Collector, StreamState, parse_request, stream_messages
 from service.fronts.status import status_for
 
 log = logging.getLogger("attnserve.server")
 
+OFF_LOOP_CHARS = 16384  # longer prompts and texts are tokenized in a worker thread
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
@@ -41,20 +41,27 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 collector.add(batch)
             return collector.response(stream.timing)
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
         async with self._generation(request, context, "GenerateStream") as (call, wire, stream):
             sent = StreamState()
             while batch := await self.state.next_message(stream):
                 call.observe(batch)
                 for msg in stream_messages(wire, batch, self.state.texts, sent, stream.timing, last=stream.finished):
-                    yield msg
+                    await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async with self._rpc(context, "Tokenize"):
-            tokenizer = self.state.ready().tokenizer
-            ids = await asyncio.to_thread(tokenizer.encode, request.text) if len(request.text) > 65536 else \
-                tokenizer.encode(request.text)
-            return pb.TokenizeResponse(token_ids=ids, tokens=[self.state.texts(i) for i in ids])
+            self.state.ready()
+            facts = self.state.model
+            if facts.max_prompt_chars is not None and len(request.text) > facts.max_prompt_chars:
+                raise InvalidRequest("text", f"has {len(request.text)} characters; the limit is "
+                                     f"{facts.max_prompt_chars} (no longer text can fit the model's prompt)")
+
+            def tokenize() -> pb.TokenizeResponse:
+                ids = facts.tokenizer.encode(request.text)
+                return pb.TokenizeResponse(token_ids=ids, tokens=[self.state.texts(i) for i in ids])
+
+            return await asyncio.to_thread(tokenize) if len(request.text) > OFF_LOOP_CHARS else tokenize()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         async with self._rpc(context, "GetModelInfo"):
@@ -80,6 +87,16 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             return info
 
     # ---- plumbing ------------------------------------------------------------------------------
+
+    async def _write(self, context, message) -> None:
+        """Send one stream message; a client that reads none of it within write_timeout_s ends the stream."""
+        limit = self.state.settings.write_timeout_s
+        try:
+            await asyncio.wait_for(context.write(message), limit)
+        except TimeoutError:
+            self.state.metrics.connections_closed.labels("grpc", "write_timeout").inc()
+            log.info("ending a stream whose client read nothing for %g s (write_timeout_s)", limit)
+            raise asyncio.CancelledError from None
 
     @contextlib.asynccontextmanager
     async def _rpc(self, context, method: str):
@@ -114,7 +131,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
             engine = self.state.admit()
-            wire = parse_request(request, self.state.model)
+            long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
+            wire = await asyncio.to_thread(parse_request, request, self.state.model) if long else \
+                parse_request(request, self.state.model)
             logs.request_id.set(wire.request_id)
             remaining = context.time_remaining()
             if remaining is not None:

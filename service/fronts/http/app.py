@@ -13,12 +13,14 @@ Requests are checked by the rules every front shares (`service.fronts.validation
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import re
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -31,6 +33,7 @@ from service import logs
 from service.engine.errors import EngineError, InvalidRequest, Overloaded
 from service.fronts.auth import REFUSAL, BearerAuth
 from service.fronts.front_state import Call, FrontState
+from service.fronts.http import json_body
 from service.fronts.http.generation import ClientGone, Generation
 from service.fronts.http.openai_responses import (
     DONE,
@@ -57,6 +60,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 OPENAI_NAMES = {"prompt_token_ids": "prompt", "stopping.max_new_tokens": "max_tokens",
                 "stopping.min_new_tokens": "min_tokens", "stopping.stop": "stop",
                 "stopping.stop_token_ids": "stop_token_ids", "stopping.ignore_eos": "ignore_eos"}
+OFF_LOOP_PROMPTS = 8  # a completions request with more prompts is checked and tokenized in a worker thread
+T = TypeVar("T")
 TYPE_TAG = re.compile(r"[\[\](),]|^(str|int|float|bool|none|dict)$|^[A-Z]")  # pydantic's union member names
 
 
@@ -182,20 +187,27 @@ class HttpFront:
     async def completions(self, request: Request) -> Response:
         call = Call(self.state, "http", "/v1/completions")
         try:
-            body = await self._read(request, CompletionRequest)
+            body, size = await self._read(request, CompletionRequest)
             if body.echo and body.logprobs is not None:
                 raise InvalidRequest("echo", "echo with logprobs needs the prompt's logprobs, which this server "
                                      "does not compute; ask for one or the other")
             facts = self.state.model
             renames = {"top_logprobs": "logprobs"}
-            wires = []
-            for prompt in body.prompts():
-                text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
-                fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
-                          "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
-                          "echo": bool(body.echo)}
-                wires.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, facts, renames,
-                                          request))
+            prompts = body.prompts()
+
+            def accept_all() -> list[AcceptedRequest]:
+                wires = []
+                for prompt in prompts:
+                    text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
+                    fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
+                              "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
+                              "echo": bool(body.echo)}
+                    wires.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, facts,
+                                              renames, request))
+                return wires
+
+            wires = await _off_loop(size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS, accept_all)
+            logs.request_id.set(wires[0].request_id)
             builder = CompletionBuilder(self._served_name(), wires, self._token_strings(), self._include_usage(body))
             return await self._generate(request, call, wires, builder, bool(body.stream), renames)
         except Exception as e:
@@ -204,18 +216,22 @@ class HttpFront:
     async def chat_completions(self, request: Request) -> Response:
         call = Call(self.state, "http", "/v1/chat/completions")
         try:
-            body = await self._read(request, ChatCompletionRequest)
+            body, size = await self._read(request, ChatCompletionRequest)
             template = self._chat_template()
             facts = self.state.model
             conversation = body.conversation()
-            try:
-                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
-            except ChatTemplateError as e:
-                raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
-            if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
-                raise InvalidRequest("messages", f"{len(text)} characters cannot fit the model context of "
-                                     f"{facts.n_ctx} tokens")
-            ids = facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+
+            def render() -> list[int]:
+                try:
+                    text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
+                except ChatTemplateError as e:
+                    raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
+                if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
+                    raise InvalidRequest("messages", f"{len(text)} characters cannot fit the model context of "
+                                         f"{facts.n_ctx} tokens")
+                return facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+
+            ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
             if not ids:
                 raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
             fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
@@ -226,6 +242,7 @@ class HttpFront:
                        and body.max_tokens is None else "max_tokens"}
             max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
             wire = self._accept(fields, body, max_tokens, None, facts, renames, request)
+            logs.request_id.set(wire.request_id)
             builder = ChatBuilder(self._served_name(), [wire], self._token_strings(), self._include_usage(body))
             return await self._generate(request, call, [wire], builder, bool(body.stream), renames)
         except Exception as e:
@@ -283,7 +300,8 @@ class HttpFront:
     # ---- plumbing -------------------------------------------------------------------------------
 
     async def _read(self, request: Request, schema: type[BaseModel]):
-        """The body as `schema`: 413 past the size limit, 400 for JSON or a field of the wrong type.
+        """The body as `schema`, and its size: 413 past the size limit, 408 past the body deadline, 400 for
+        JSON or a field of the wrong type, or a list longer than its limit (`json_body`, `_check_counts`).
         Checks first that the server is serving (503) and the model is this one (404)."""
         self.state.admit()
         declared = request.headers.get("content-length", "")
@@ -291,24 +309,45 @@ class HttpFront:
             raise _TooLarge(int(declared), self.max_body)
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body:
-                    raise _TooLarge(size, self.max_body)
-                chunks.append(chunk)
+            async with asyncio.timeout(self.state.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise _TooLarge(size, self.max_body)
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone("the client disconnected while sending") from None
-        try:
-            data = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest("body", f"is not valid JSON: {e}") from None
+        except TimeoutError:
+            raise _BodyTimeout(size, self.state.settings.body_timeout_s) from None
+        hint = (f" (and at most {self.state.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
+                else "")
+        data = await json_body.parse(b"".join(chunks), hint)
+        self._check_counts(data)
         try:
             body = schema.model_validate(data)
         except ValidationError as e:
             raise schema_error(e) from None
         self._check_model(body.model)
         body.refuse_unsupported()
-        return body
+        return body, size
+
+    def _check_counts(self, data: Any) -> None:
+        """The limits on lists whose length depends on the engine, before any item is looked at: prompts
+        (what could ever be admitted at once) and chat messages (each takes at least a token)."""
+        if not isinstance(data, dict):
+            return
+        prompt, messages = data.get("prompt"), data.get("messages")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            n = data["n"] if isinstance(data.get("n"), int) and data["n"] > 0 else 1
+            engine = self.state.ready()
+            most = engine.most_admitted_at_once(n)
+            if len(prompt) > most:
+                raise InvalidRequest("prompt", f"holds {len(prompt)} prompts; at most {most} can be admitted at once "
+                                     f"(max_running {engine.max_running} sequences, max_waiting "
+                                     f"{engine.config.max_waiting} requests, n {n})")
+        if isinstance(messages, list) and self.state.model is not None and len(messages) > self.state.model.n_ctx:
+            raise InvalidRequest("messages", f"holds {len(messages)} messages; at most {self.state.model.n_ctx} fit "
+                                 f"the model context of {self.state.model.n_ctx} tokens")
 
     def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
                 default_max_new: int | None, facts, renames: dict[str, str], request: Request) -> AcceptedRequest:
@@ -319,7 +358,6 @@ class HttpFront:
             wire = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:
             raise renamed(e, renames) from None
-        logs.request_id.set(wire.request_id)
         timeout = body.timeout if body.timeout is not None else _header_timeout(request)
         if timeout is not None:
             if not (math.isfinite(timeout) and timeout > 0):
@@ -400,11 +438,24 @@ class _TooLarge(_HttpError):
                                  f"{limit} bytes (max_receive_message_bytes)", "body")
 
 
+class _BodyTimeout(_HttpError):
+    def __init__(self, size: int, limit_s: float):
+        super().__init__()
+        self.status = HttpStatus(408, "invalid_request_error", f"the body did not arrive within {limit_s:g} s of its "
+                                 f"headers ({size} bytes did; body_timeout_s)", "body", (("Connection", "close"),))
+
+
 class _UnknownModel(_HttpError):
     def __init__(self, name: str, served: str):
         super().__init__()
         self.status = HttpStatus(404, "invalid_request_error", f"the model {name!r} does not exist; this server "
                                  f"serves {served!r}", "model")
+
+
+async def _off_loop(heavy: bool, work: Callable[[], T]) -> T:
+    """`work()`, in a worker thread when it is heavy (a large body, many prompts) so that the event loop,
+    and every other request on both fronts, does not wait for it."""
+    return await asyncio.to_thread(work) if heavy else work()
 
 
 def _header_timeout(request: Request) -> float | None:

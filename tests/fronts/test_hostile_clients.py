@@ -1,0 +1,431 @@
+"""Hostile and broken clients (docs/security.md#limits), against `attnserve serve` in its own process with
+small limits. While each probe runs, a watcher makes normal calls on the other front and asks `/health`;
+every one must answer within RESPONSIVE_S. After each probe, the server holds no slot, connection or
+file handle it did not hold before, and its memory is back near where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx2  # the HTTP client the openai client brings
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve.v1 import generate_pb2 as pb
+from attnserve.v1 import generate_pb2_grpc as pb_grpc
+from service.client import build_request
+from tests.fronts.server_harness import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+RESPONSIVE_S = 1.0  # what a normal call, or /health, may take while a probe runs
+CAP = 24
+LIMITS = {"max_connections": CAP, "header_timeout_s": 2, "body_timeout_s": 2, "idle_timeout_s": 2,
+          "write_timeout_s": 1, "max_running": 4, "max_waiting": 12, "max_batch_tokens": 64, "threads": 1}
+RESERVE = 32  # service.fronts.http.connections.RESERVE
+MEMORY_SLACK = 150 * 2**20
+
+# the HTTP port's sockets get a small send buffer, so that an unread response backs up after a few KB
+# rather than after the 4 MB the kernel would otherwise buffer
+SERVER = textwrap.dedent("""
+    import socket, sys
+    from service.fronts.http import listener
+    start = listener.HttpListener.start
+    async def small_send_buffer(self):
+        port = await start(self)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return port
+    listener.HttpListener.start = small_send_buffer
+    from service.server import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    address: str
+    url: str
+    metrics_url: str
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx2.get(self.metrics_url, timeout=10).text
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def handles(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def health(self) -> int:
+        return httpx2.get(self.url + "/health", timeout=RESPONSIVE_S).status_code
+
+
+@pytest.fixture(scope="module")
+def served(engine_bundle):
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    args = ["--bundle", str(engine_bundle), "--graph", "static", "--port", str(grpc_port), "--http-port",
+            str(http_port), "--metrics-port", str(metrics_port)]
+    for name, value in LIMITS.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    s = Served(proc, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}",
+               f"http://127.0.0.1:{metrics_port}/metrics", http_port=http_port, grpc_port=grpc_port)
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            return s.health() == 200
+        except httpx2.HTTPError:
+            return False
+    try:
+        wait_until(up, timeout=90, what="the server to serve")
+        yield s
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log = proc.stderr.read()
+        assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture
+def clean(served):
+    """The server's holdings before a probe; after it, everything comes back."""
+    before = served.handles(), served.rss()
+    yield
+    handles, rss = before
+
+    def settled() -> bool:
+        return (served.metric("attnserve_requests_running") == 0 and served.metric("attnserve_requests_waiting") == 0
+                and served.metric("attnserve_kv_cache_usage_ratio") == 0
+                and served.metric("attnserve_http_connections") == 0
+                and served.handles() <= handles)
+    wait_until(settled, timeout=60, what="the server to hold no slot, connection or file handle")
+    assert served.rss() < rss + MEMORY_SLACK, (served.rss(), rss)
+
+
+@dataclass
+class Watcher:
+    """Normal calls on one front and GET /health (on a new connection each), over and over while a probe runs."""
+
+    served: Served
+    front: str  # "grpc" or "http": where the normal calls go
+    failures: list[str] = field(default_factory=list)
+    calls: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        channel = grpc.insecure_channel(self.served.address)
+        stub = pb_grpc.TextGenerationStub(channel)
+        while not self._stop.is_set():
+            for name, call in (("health", self._health), (self.front, lambda: self._generate(stub))):
+                started = time.monotonic()
+                try:
+                    call()
+                except Exception as e:  # noqa: BLE001 - every failure is reported
+                    self.failures.append(f"{name} after {time.monotonic() - started:.2f} s: {e!r}"[:300])
+                self.calls += 1
+            self._stop.wait(0.05)
+        channel.close()
+
+    def _health(self) -> None:
+        assert self.served.health() == 200
+
+    def _generate(self, stub) -> None:
+        if self.front == "grpc":
+            stub.Generate(build_request("Rom.", max_new_tokens=2), timeout=RESPONSIVE_S)
+        else:
+            r = httpx2.post(self.served.url + "/v1/completions", json={"prompt": "Rom.", "max_tokens": 2},
+                            timeout=RESPONSIVE_S)
+            assert r.status_code == 200, r.text
+
+
+@contextmanager
+def watching(served: Served, front: str):
+    watcher = Watcher(served, front)
+    thread = threading.Thread(target=watcher.run, daemon=True)
+    thread.start()
+    wait_until(lambda: watcher.calls >= 2, timeout=30, what="the watcher's first calls")
+    try:
+        yield watcher
+    finally:
+        calls = watcher.calls
+        wait_until(lambda: watcher.calls >= calls + 2, timeout=30, what="the watcher's calls during the probe")
+        watcher._stop.set()
+        thread.join(timeout=30)
+    assert not watcher.failures, watcher.failures[:5]
+
+
+def connect(port: int, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (reading whatever it sent before)."""
+    sock.setblocking(False)
+    try:
+        while data := sock.recv(65536):
+            del data
+        return True
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def read_response(sock: socket.socket, timeout: float = 30) -> tuple[int, dict]:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def post(served: Served, body, path: str = "/v1/completions", **kwargs) -> httpx2.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx2.post(served.url + path, content=content, headers={"content-type": "application/json"},
+                       timeout=60, **kwargs)
+
+
+# ---- connections ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_idle_and_slowloris_http_connections_up_to_the_cap_are_closed_while_health_answers(served, clean):
+    closed_before = served.metric("attnserve_connections_closed_total", protocol="http", reason="header_timeout")
+    silent = [connect(served.http_port) for _ in range(CAP // 2)]
+    dripping = [connect(served.http_port) for _ in range(CAP - CAP // 2)]
+    with watching(served, "grpc"):
+        wait_until(lambda: served.metric("attnserve_http_connections") >= CAP, timeout=30,
+                   what="the cap to be reached")
+        deadline = time.monotonic() + 3 * LIMITS["header_timeout_s"]
+        for byte in b"POST /v1/completions HTTP/1.1\r\nx-slow: " + b"a" * 200:
+            if time.monotonic() > deadline:
+                break
+            for s in dripping:
+                try:
+                    s.send(bytes([byte]))
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        wait_until(lambda: all(closed_by_server(s) for s in silent + dripping), timeout=30,
+                   what="every idle and slow connection to be closed")
+    closed = served.metric("attnserve_connections_closed_total", protocol="http", reason="header_timeout")
+    assert closed - closed_before >= CAP
+    for s in silent + dripping:
+        s.close()
+
+
+@pytest.mark.slow
+def test_past_the_cap_and_its_reserve_a_connection_gets_a_503_in_openai_shape(served, clean):
+    held = [connect(served.http_port) for _ in range(CAP + RESERVE)]
+    try:
+        wait_until(lambda: served.metric("attnserve_http_connections") >= CAP + RESERVE, timeout=30,
+                   what="the cap and the reserve to fill")
+        status, body = read_response(connect(served.http_port))
+        assert status == 503
+        assert body["error"]["code"] == "service_unavailable" and "max_connections" in body["error"]["message"]
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.slow
+def test_idle_grpc_connections_up_to_the_cap_are_refused_beyond_and_closed_in_time(served, clean):
+    early = grpc.insecure_channel(served.address)  # a client connected before the flood: one of the CAP
+    health = health_pb2_grpc.HealthStub(early)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    handles = served.handles()
+    held = [connect(served.grpc_port) for _ in range(CAP - 1)]
+    try:
+        wait_until(lambda: served.handles() >= handles + CAP - 1, timeout=10, what="the server to accept them")
+        # within header_timeout_s: a new connection is refused at once, the early client keeps its answers
+        with grpc.insecure_channel(served.address, options=[("grpc.use_local_subchannel_pool", 1)]) as late:
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(late).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=RESPONSIVE_S).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        with watching(served, "http"):
+            # connections that never finish their handshake are closed after header_timeout_s
+            wait_until(lambda: all(closed_by_server(s) for s in held), timeout=30,
+                       what="the silent gRPC connections to be closed")
+        with grpc.insecure_channel(served.address) as later:
+            pb_grpc.TextGenerationStub(later).Generate(build_request("Rom.", max_new_tokens=2), timeout=30)
+    finally:
+        early.close()
+        for s in held:
+            s.close()
+
+
+def test_oversized_headers_and_malformed_requests_get_errors_in_openai_shape(served, clean):
+    sock = connect(served.http_port)
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n")
+    status, body = read_response(sock)
+    assert status == 431 and body["error"]["code"] == "request_header_fields_too_large"
+    sock = connect(served.http_port)
+    sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    status, body = read_response(sock)
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_that_stops_arriving_gets_408(served, clean):
+    sock = connect(served.http_port)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100\r\n\r\n{\"prompt\": ")
+    status, body = read_response(sock)
+    assert status == 408 and body["error"]["param"] == "body" and "body_timeout_s" in body["error"]["message"]
+
+
+# ---- bodies ---------------------------------------------------------------------------------------
+
+def _filled(unit: bytes, limit: int = 4 * 2**20 - 64) -> bytes:
+    count = (limit - 20) // len(unit)
+    return b'{"prompt":[' + unit * (count - 1) + unit.rstrip(b",") + b'],"max_tokens":1}'
+
+
+@pytest.mark.slow
+def test_a_body_at_the_size_limit_full_of_tiny_prompts_is_refused_at_once(served, clean):
+    most = max(LIMITS["max_running"], LIMITS["max_waiting"])
+    with watching(served, "grpc"):
+        for unit, what in ((b'"a",', "JSON values"), (b"[1],", "JSON arrays and objects"), (b"1,", "JSON values")):
+            r = post(served, _filled(unit))
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "body" and what in error["message"]
+            assert f"at most {most} prompts" in error["message"]
+        fewer = post(served, {"prompt": ["a"] * 100_000, "max_tokens": 1})  # within the body's limits
+        assert fewer.status_code == 400
+        error = fewer.json()["error"]
+        assert error["param"] == "prompt" and f"at most {most} can be admitted" in error["message"]
+    just_over = post(served, {"prompt": ["Rom."] * (most + 1), "max_tokens": 1})
+    assert just_over.status_code == 400 and just_over.json()["error"]["param"] == "prompt"
+    at_limit = post(served, {"prompt": ["Rom."] * most, "max_tokens": 1})
+    assert at_limit.status_code == 200 and len(at_limit.json()["choices"]) == most
+
+
+@pytest.mark.parametrize("depth", [65, 970, 100_000])
+def test_deep_json_is_a_400_even_in_an_ignored_field(served, clean, depth):
+    body = b'{"prompt": "Rom.", "max_tokens": 1, "frobnicate": ' + b"[" * depth + b"]" * depth + b"}"
+    r = post(served, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "body"
+    ok = post(served, b'{"prompt": "Rom.", "max_tokens": 1, "frobnicate": ' + b"[" * 60 + b"]" * 60 + b"}")
+    assert ok.status_code == 200, ok.text
+
+
+def test_brackets_and_commas_inside_strings_do_not_count(served, clean):
+    text = "[{" * 20_000 + "," * 300_000  # more than either limit, all inside a string
+    r = post(served, {"prompt": "Rom. [{,", "max_tokens": 1, "user": text})
+    assert r.status_code == 200, r.text
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["/attnserve.v1.TextGeneration/Generate",
+                                    "/attnserve.v1.TextGeneration/GenerateStream",
+                                    "/attnserve.v1.TextGeneration/Tokenize",
+                                    "/grpc.health.v1.Health/Check"])
+def test_a_malformed_protobuf_gets_invalid_argument(served, clean, method):
+    with grpc.insecure_channel(served.address) as channel:
+        kind = channel.unary_stream if method.endswith("Stream") else channel.unary_unary
+        call = kind(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as error:
+            result = call(b"\xff\xff\xff\xff\x0f", timeout=30)
+            list(result) if method.endswith("Stream") else result
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid" in error.value.details() and "DecodeError" not in error.value.details()
+
+
+def test_every_list_field_has_a_limit_on_both_fronts(served, clean):
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(build_request("Rom.", max_new_tokens=1, stop_token_ids=[1] * 257), timeout=30)
+        assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "stop_token_ids" in error.value.details() and "256" in error.value.details()
+        stub.Generate(build_request("Rom.", max_new_tokens=1, stop_token_ids=[1] * 256), timeout=30)
+    r = post(served, {"prompt": "Rom.", "max_tokens": 1, "stop_token_ids": [1] * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+    r = post(served, {"messages": [{"role": "user", "content": "a"}] * 1000, "max_tokens": 1},
+             path="/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.slow
+def test_concurrent_tokenize_at_its_limit_does_not_stall_the_other_front(served, clean):
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Tokenize(pb.TokenizeRequest(text="a" * 4_000_000), timeout=30)
+        assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        limit = int(error.value.details().split("the limit is ")[1].split()[0])
+        text = ("To be, or not to be: that is the question. " * (limit // 40 + 1))[:limit]
+        with watching(served, "http"):
+            calls = [stub.Tokenize.future(pb.TokenizeRequest(text=text), timeout=60) for _ in range(4)]
+            replies = [call.result() for call in calls]
+    assert all(len(r.token_ids) == len(r.tokens) > 0 for r in replies)
+
+
+# ---- unread streams -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_an_sse_stream_nobody_reads_is_closed_and_its_slot_freed(served, clean):
+    closed_before = served.metric("attnserve_connections_closed_total", protocol="http", reason="write_timeout")
+    sock = connect(served.http_port, rcvbuf=4096)
+    body = json.dumps({"prompt": "Rom.", "max_tokens": 120, "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
+    with watching(served, "grpc"):
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        wait_until(lambda: served.metric("attnserve_connections_closed_total", protocol="http",
+                                         reason="write_timeout") > closed_before, timeout=60,
+                   what="the unread stream to be closed")
+    sock.close()
+
+
+@pytest.mark.slow
+def test_a_grpc_stream_nobody_reads_is_ended_and_its_slot_freed(served, clean):
+    closed_before = served.metric("attnserve_connections_closed_total", protocol="grpc", reason="write_timeout")
+    # no BDP probing and a small lookahead: the client's transport buffers little of what it is not asked for
+    channel = grpc.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0),
+                                                             ("grpc.http2.lookahead_bytes", 1024)])
+    try:
+        with watching(served, "http"):
+            call = pb_grpc.TextGenerationStub(channel).GenerateStream(
+                build_request("Rom.", max_new_tokens=120, n=LIMITS["max_running"], ignore_eos=True, logprobs=True,
+                              top_logprobs=20), timeout=120)
+            wait_until(lambda: served.metric("attnserve_connections_closed_total", protocol="grpc",
+                                             reason="write_timeout") > closed_before, timeout=60,
+                       what="the unread stream to be ended")
+        call.cancel()
+    finally:
+        channel.close()
