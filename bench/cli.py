@@ -18,6 +18,8 @@ BENCHES = {
     "prefix-cache": ("bench.prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
     "g2p": ("bench.g2p", "the encoder-decoder G2P model against CTranslate2 and transformers: words/s alone "
                          "and 32 at a time"),
+    "hostile": ("bench.hostile", "hostile clients (idle connections, huge bodies, deep JSON, Tokenize at its limit) "
+                                 "against a default server: what they cost everyone else"),
     "bandwidth": ("bench.bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
 }
 

@@ -8,4 +8,5 @@
     status.py        engine errors -> each protocol's status codes, the one table
     metrics.py       Prometheus metrics, on their own port, labelled by protocol
     ports.py         a port that cannot be bound, named with the setting that changes it
+    file_handles.py  the open-file limit raised for the connection caps, or the caps fitted to it
 """

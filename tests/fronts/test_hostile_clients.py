@@ -333,6 +333,16 @@ def test_a_body_at_the_size_limit_full_of_tiny_prompts_is_refused_at_once(served
     assert at_limit.status_code == 200 and len(at_limit.json()["choices"]) == most
 
 
+def test_a_large_whole_response_comes_whole(served, clean):
+    most = max(LIMITS["max_running"], LIMITS["max_waiting"])
+    with watching(served, "grpc"):
+        r = post(served, {"prompt": ["Rom."] * most, "max_tokens": 100, "ignore_eos": True, "logprobs": 20})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(most))
+    assert all(len(c["logprobs"]["top_logprobs"]) == 100 for c in choices)
+
+
 @pytest.mark.parametrize("depth", [65, 970, 100_000])
 def test_deep_json_is_a_400_even_in_an_ignored_field(served, clean, depth):
     body = b'{"prompt": "Rom.", "max_tokens": 1, "frobnicate": ' + b"[" * depth + b"]" * depth + b"}"

@@ -41,6 +41,7 @@ from service.fronts.http.openai_responses import (
     CompletionBuilder,
     ResponseBuilder,
     TokenStrings,
+    json_pieces,
     sse,
 )
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -60,6 +61,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 OPENAI_NAMES = {"prompt_token_ids": "prompt", "stopping.max_new_tokens": "max_tokens",
                 "stopping.min_new_tokens": "min_tokens", "stopping.stop": "stop",
                 "stopping.stop_token_ids": "stop_token_ids", "stopping.ignore_eos": "ignore_eos"}
+LARGE_RESPONSE_ENTRIES = 16384  # tokens and logprob alternatives past which a response is encoded a choice at a time
 OFF_LOOP_PROMPTS = 8  # a completions request with more prompts is checked and tokenized in a worker thread
 T = TypeVar("T")
 TYPE_TAG = re.compile(r"[\[\](),]|^(str|int|float|bool|none|dict)$|^[A-Z]")  # pydantic's union member names
@@ -274,7 +276,12 @@ class HttpFront:
         finally:
             generation.close()
         builder.cached_tokens = generation.cached_prompt_tokens
-        return self._ok(call, JSONResponse(builder.response(), headers={"X-Request-Id": wires[0].request_id}))
+        headers = {"X-Request-Id": wires[0].request_id}
+        request0 = wires[0].request
+        if call.tokens * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
+            return self._ok(call, StreamingResponse(json_pieces(builder.response()), media_type="application/json",
+                                                    headers=headers))
+        return self._ok(call, JSONResponse(builder.response(), headers=headers))
 
     async def _events(self, generation: Generation, builder: ResponseBuilder, outcome: dict[str, str]):
         """The SSE body. An error after the stream began is sent as an `error` event, then [DONE]. A client

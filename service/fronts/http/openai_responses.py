@@ -8,9 +8,11 @@ detokenizer's, so multi-byte characters and stop strings come out whole), after 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,22 @@ class TokenStrings:
 
     def text(self, token_id: int) -> str:
         return self(token_id)[0]
+
+
+async def json_pieces(response: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A whole response as JSON, one choice at a time, letting the event loop run between them: the
+    largest (256 choices of 250 tokens with 20 alternatives each, 25 MB) takes 0.56 s in one go."""
+    marker = "\0choices\0"
+    head, tail = _dumps({**response, "choices": marker}).split(_dumps(marker))
+    yield (head + "[").encode()
+    for i, choice in enumerate(response["choices"]):
+        yield (("," if i else "") + _dumps(choice)).encode()
+        await asyncio.sleep(0)
+    yield ("]" + tail).encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def sse(obj: dict[str, Any]) -> bytes:
