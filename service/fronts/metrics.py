@@ -7,10 +7,14 @@ engine's latest snapshot when Prometheus scrapes, so they cost nothing between s
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import sys
+import threading
 from collections.abc import Callable
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,6 +24,7 @@ from service.fronts.ports import port_error
 # 1 ms .. 60 s: a token step on a small model is ~1 ms, a long queue wait tens of seconds.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+METRICS_READ_TIMEOUT_S = 10  # a /metrics connection that sends nothing this long is closed
 
 
 class Metrics:
@@ -66,10 +71,13 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server on a daemon thread; returns the bound port."""
+        server = type("MetricsServer", (_ThreadingServer,), {"address_family": socket.AF_INET6 if ":" in host
+                                                             else socket.AF_INET})
         try:
-            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._http = make_server(host, port, make_wsgi_app(self.registry), server, handler_class=_QuietHandler)
         except OSError as e:
             raise port_error("metrics_port", host, port, e) from None
+        threading.Thread(target=self._http.serve_forever, name="attnserve-metrics", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:
@@ -77,6 +85,21 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that timed out or went away is no news
+            super().handle_error(request, client_address)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_READ_TIMEOUT_S  # per read: an idle connection does not keep its thread for ever
+
+    def log_message(self, format, *args) -> None:  # the server logs its own lines, not one per scrape
+        pass
 
 
 def _usage(s: EngineStats) -> float:

@@ -87,8 +87,10 @@ def test_manifests_agree_with_each_other_and_the_server():
     service_ports = {p["name"]: (p["port"], p["targetPort"], p["appProtocol"]) for p in service["spec"]["ports"]}
     assert service_ports == {"grpc": (GRPC_PORT, "grpc", "grpc"), "http": (HTTP_PORT, "http", "http"),
                              "metrics": (METRICS_PORT, "metrics", "http")}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == GRPC_PORT
+    # liveness on the port whose /health is answered past its connection cap
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": HTTP_PORT}
     env = {e["name"]: e["value"] for e in container["env"]}
     settings = ServerSettings(**{k.removeprefix("ATTNSERVE_").lower(): v for k, v in env.items()})
     assert (settings.port, settings.http_port, settings.metrics_port) == (GRPC_PORT, HTTP_PORT, METRICS_PORT)
