@@ -136,7 +136,7 @@ def _process(pid: int) -> dict:
     return {"rss_mib": round(rss / 1024, 1), "file_handles": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
-def run(bundle: str, connections: int) -> dict:
+def run(bundle: str, connections: int, hold_s: float) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, connections + 256), hard))
     with ServerProcess(["serve", "--bundle", bundle]) as srv:
@@ -145,8 +145,8 @@ def run(bundle: str, connections: int) -> dict:
         with Watcher(url, address) as quiet:
             time.sleep(3)
         probes = {
-            "idle HTTP connections": lambda: _idle(srv.http_port, connections, 15),
-            "idle gRPC connections": lambda: _idle(srv.port, connections, 15),
+            "idle HTTP connections": lambda: _idle(srv.http_port, connections, hold_s),
+            "idle gRPC connections": lambda: _idle(srv.port, connections, hold_s),
             "1,000,000 prompts as strings": lambda: _post(url, _filled(b'"a",')),
             "1,000,000 prompts as id lists": lambda: _post(url, _filled(b"[1],")),
             "2,000,000 token ids": lambda: _post(url, _filled(b"1,")),
@@ -162,14 +162,17 @@ def run(bundle: str, connections: int) -> dict:
                 outcome = probe()
                 took = time.perf_counter() - started
             rows.append({"probe": name, "outcome": outcome, "took_s": round(took, 2), **w.summary()})
-        time.sleep(12)  # past header_timeout_s, so the server has closed what the probes left
+        deadline = time.monotonic() + 30  # header_timeout_s (10 s) and more: what the probes left is closed
+        while _process(pid)["file_handles"] > before["file_handles"] and time.monotonic() < deadline:
+            time.sleep(0.5)
         after = _process(pid)
-    return {"machine": describe(), "bundle": bundle, "connections": connections, "rows": rows,
+    return {"machine": describe(), "bundle": bundle, "connections": connections, "hold_s": hold_s, "rows": rows,
             "server_before": before, "server_after": after}
 
 
 def markdown(result: dict) -> str:
-    lines = [f"`attnserve bench hostile --connections {result['connections']}` on {machine_line(result['machine'])}; "
+    command = f"attnserve bench hostile --connections {result['connections']} --hold-s {result['hold_s']:g}"
+    lines = [f"`{command}` on {machine_line(result['machine'])}; "
              f"`attnserve serve` with its default limits on `{Path(result['bundle']).name}`.", "",
              "| probe | answer | took | `/health` median / worst | gRPC `Generate` median / worst | watcher errors |",
              "|---|---|---|---|---|---|"]
@@ -187,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="attnserve bench hostile", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", default="models/shakespeare-onnx")
     p.add_argument("--connections", type=int, default=10_000, help="idle connections each connection probe opens")
+    p.add_argument("--hold-s", type=float, default=15.0, help="how long they are held")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    result = run(args.bundle, args.connections)
+    result = run(args.bundle, args.connections, args.hold_s)
     text = markdown(result)
     print(text)
     publish("hostile", result, text, out=args.out)

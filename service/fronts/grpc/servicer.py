@@ -97,6 +97,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self.state.metrics.connections_closed.labels("grpc", "write_timeout").inc()
             log.info("ending a stream whose client read nothing for %g s (write_timeout_s)", limit)
             raise asyncio.CancelledError from None
+        except grpc.aio.InternalError:  # the call is over: the client cancelled or went away
+            raise asyncio.CancelledError from None
 
     @contextlib.asynccontextmanager
     async def _rpc(self, context, method: str):
