@@ -181,9 +181,7 @@ class GenerationRequest:
             _int_range(f"stopping.stop_token_ids[{i}]", t, 0, vocab_size - 1)
         if not self.prompt_token_ids:
             raise InvalidRequest("prompt", "is empty; give at least one token")
-        for i, t in enumerate(self.prompt_token_ids):
-            if not (isinstance(t, int) and 0 <= t < vocab_size):
-                raise InvalidRequest(f"prompt_token_ids[{i}]", f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
+        given = len(self.prompt_token_ids)
         if limits.encoder_decoder:  # the source takes no room from the target
             _int_range("stopping.max_new_tokens", st.max_new_tokens, 1, longest)
             if len(self.prompt_token_ids) > limits.max_prompt_tokens:
@@ -191,8 +189,13 @@ class GenerationRequest:
                     raise InvalidRequest("prompt", f"{len(self.prompt_token_ids)} tokens exceed the longest source "
                                          f"of {limits.max_prompt_tokens} tokens; shorten it")
                 self.prompt_token_ids = self.prompt_token_ids[-limits.max_prompt_tokens:]
-            return
-        self._fit_context(n_ctx, limits)
+        else:
+            self._fit_context(n_ctx, limits)
+        dropped = given - len(self.prompt_token_ids)
+        for i, t in enumerate(self.prompt_token_ids):  # what is left of it: a truncated prompt's kept tokens
+            if not (isinstance(t, int) and 0 <= t < vocab_size):
+                raise InvalidRequest(f"prompt_token_ids[{i + dropped}]",
+                                     f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
 
     def _fit_context(self, n_ctx: int, limits: EngineLimits) -> None:
         """The prompt and max_new_tokens must fit the context together (a prompt that may be truncated is cut

@@ -12,6 +12,7 @@ front maps its own wire format to plain values and calls `accept`; a bad value r
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,20 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo)
+
+
+def usable_prompt_ids(ids: Sequence[int], truncate: bool, model: ModelFacts) -> list[int]:
+    """A prompt's token ids as a list, cut to what could ever be used before any per-token work: the
+    last ones that fit the model of a prompt that may be truncated (the engine cuts it further to make
+    room for the completion); a prompt that may not be, and is longer, is refused at once."""
+    longest = model.limits.max_prompt_tokens if model.limits.encoder_decoder else model.n_ctx
+    if len(ids) <= longest:
+        return list(ids)
+    if truncate:
+        return list(ids[-longest:])
+    room = "longest source" if model.limits.encoder_decoder else "model context"
+    raise InvalidRequest("prompt", f"{len(ids)} tokens cannot fit the {room} of {longest} tokens; shorten it, or "
+                         "set truncate_prompt")
 
 
 def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_prompt: bool,

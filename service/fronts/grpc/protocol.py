@@ -18,7 +18,7 @@ from attnserve.v1 import generate_pb2 as pb
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.sequence import Timing
 from service.fronts.front_state import TokenTexts
-from service.fronts.validation import AcceptedRequest, ModelFacts, accept
+from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
 
 OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed")
 FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -31,7 +31,8 @@ FINISH = {
 
 def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest:
     """Validate `msg` and build the engine request; raises `InvalidRequest` naming the field and range."""
-    fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": list(msg.prompt_token_ids),
+    ids = usable_prompt_ids(msg.prompt_token_ids, msg.truncate_prompt, model)
+    fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
               "truncate_prompt": msg.truncate_prompt}
     return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)

@@ -46,7 +46,7 @@ from service.fronts.http.openai_responses import (
 )
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.status import HttpStatus, http_status_for
-from service.fronts.validation import AcceptedRequest, accept
+from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("attnserve.server")
@@ -200,7 +200,10 @@ class HttpFront:
             def accept_all() -> list[AcceptedRequest]:
                 wires = []
                 for prompt in prompts:
-                    text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
+                    if isinstance(prompt, str):
+                        text, ids = prompt, []
+                    else:
+                        text, ids = "", usable_prompt_ids(prompt, False, facts)
                     fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                               "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
                               "echo": bool(body.echo)}
