@@ -54,7 +54,7 @@ class Metrics:
         self.http_connections = Gauge("attnserve_http_connections", "Open connections to the HTTP port", registry=r)
         self.connections_closed = Counter(
             "attnserve_connections_closed", "Connections (HTTP) or streams (gRPC) the server closed on a client that "
-            "broke a limit, by protocol and reason (over_capacity, header_timeout, write_timeout)",
+            "broke a limit, by protocol and reason (over_capacity, evicted, header_timeout, write_timeout)",
             ["protocol", "reason"], registry=r)
         self.prefix_cache_hit_rate = Gauge(
             "attnserve_prefix_cache_hit_rate", "Share of admitted prompt tokens found in the prefix cache since start "

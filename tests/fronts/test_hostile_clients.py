@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service.client import build_request
-from tests.fronts.server_harness import free_port, wait_until
+from tests.fronts.server_harness import ServerThread, free_port, settings, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 RESPONSIVE_S = 1.0  # what a normal call, or /health, may take while a probe runs
@@ -221,7 +221,8 @@ def post(served: Served, body, path: str = "/v1/completions", **kwargs) -> httpx
 
 @pytest.mark.slow
 def test_idle_and_slowloris_http_connections_up_to_the_cap_are_closed_while_health_answers(served, clean):
-    closed_before = served.metric("attnserve_connections_closed_total", protocol="http", reason="header_timeout")
+    closed_before = sum(served.metric("attnserve_connections_closed_total", protocol="http", reason=reason)
+                        for reason in ("header_timeout", "evicted"))
     silent = [connect(served.http_port) for _ in range(CAP // 2)]
     dripping = [connect(served.http_port) for _ in range(CAP - CAP // 2)]
     with watching(served, "grpc"):
@@ -239,21 +240,76 @@ def test_idle_and_slowloris_http_connections_up_to_the_cap_are_closed_while_heal
             time.sleep(0.1)
         wait_until(lambda: all(closed_by_server(s) for s in silent + dripping), timeout=30,
                    what="every idle and slow connection to be closed")
-    closed = served.metric("attnserve_connections_closed_total", protocol="http", reason="header_timeout")
+    closed = sum(served.metric("attnserve_connections_closed_total", protocol="http", reason=reason)
+                 for reason in ("header_timeout", "evicted"))
     assert closed - closed_before >= CAP
     for s in silent + dripping:
         s.close()
 
 
-@pytest.mark.slow
-def test_past_the_cap_and_its_reserve_a_connection_gets_a_503_in_openai_shape(served, clean):
-    held = [connect(served.http_port) for _ in range(CAP + RESERVE)]
+@pytest.fixture(scope="module")
+def tight(engine_bundle):
+    """A server in this process whose HTTP cap is 4 and whose deadlines are far away: what happens at the
+    cap depends on what the connections do, not on how fast the machine is."""
+    s = settings(engine_bundle, http_port=free_port(), max_connections=4, header_timeout_s=120, body_timeout_s=120)
+    with ServerThread(s) as srv:
+        yield srv
+
+
+def speaking(srv: ServerThread, count: int) -> list[socket.socket]:
+    """Connections that have begun a request (and so are not silent), each seen by the server before the next opens."""
+    guard = srv.server.http.guard
+    wait_until(lambda: not guard.open, what="the connections of earlier tests to close")
+    socks = []
+    for _ in range(count):
+        socks.append(connect(srv.server.http_port))
+        socks[-1].sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        wait_until(lambda: len(guard.open) >= len(socks) and not guard.silent,
+                   what="the server to take the connection and hear its request begin")
+    return socks
+
+
+def test_past_the_cap_silent_connections_give_way_to_one_that_speaks(tight):
+    url = f"http://127.0.0.1:{tight.server.http_port}"
+    evicted = tight.server.metrics.connections_closed.labels("http", "evicted")
+    before = evicted._value.get()
+    wait_until(lambda: not tight.server.http.guard.open, what="the connections of earlier tests to close")
+    silent = [connect(tight.server.http_port) for _ in range(4)]
     try:
-        wait_until(lambda: served.metric("attnserve_http_connections") >= CAP + RESERVE, timeout=30,
+        wait_until(lambda: len(tight.server.http.guard.open) >= 4, what="the cap to fill")
+        r = httpx2.post(url + "/v1/completions", json={"prompt": "Rom.", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert evicted._value.get() == before + 1
+        assert sum(closed_by_server(s) for s in silent) == 1  # the oldest
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_past_the_cap_and_its_reserve_a_connection_gets_a_503_in_openai_shape(tight):
+    port = tight.server.http_port
+    held = speaking(tight, 4 + RESERVE)
+    try:
+        wait_until(lambda: len(tight.server.http.guard.open) >= 4 + RESERVE,
                    what="the cap and the reserve to fill")
-        status, body = read_response(connect(served.http_port))
+        health = connect(port)
+        health.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, body = read_response(health)
         assert status == 503
         assert body["error"]["code"] == "service_unavailable" and "max_connections" in body["error"]["message"]
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_at_the_cap_health_is_answered_on_the_reserve(tight):
+    port = tight.server.http_port
+    held = speaking(tight, 4)
+    try:
+        wait_until(lambda: len(tight.server.http.guard.open) >= 4, what="the cap to fill")
+        assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        r = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
     finally:
         for s in held:
             s.close()

@@ -4,9 +4,12 @@
     uvicorn.Config(app, http=guard.protocol, ...)    # every connection is a GuardedH11Protocol
     task = asyncio.create_task(guard.sweep_forever())
 
-- **A cap.** At most `max_connections` are served. Up to RESERVE more are read for one request each
-  within 2 s: `GET /health` is answered there (so probes see a server at its cap as up)
-  and anything else gets a 503. Beyond those, a connection gets the 503 as soon as it opens.
+- **A cap.** At most `max_connections` are served. A new connection past it closes the oldest silent
+  one (open, and not a byte of a request sent: never spoken, or idle between requests) and takes its
+  place, so connections that only sit there cannot keep out one that speaks. When every connection is
+  mid-request, up to RESERVE more are read for one request each within 2 s: `GET /health` is answered
+  there (so probes see a server at its cap as up) and anything else gets a 503. Beyond those, a
+  connection gets the 503 as soon as it opens.
 - **Deadlines to speak.** A connection must send its request line and headers within `header_timeout_s`
   of opening, or of its first byte after an idle keep-alive; then it gets a 408 and is closed. (The body
   has its own deadline, `body_timeout_s`, kept by the application, which answers 408 too.)
@@ -35,6 +38,7 @@ log = logging.getLogger("attnserve.server")
 
 RESERVE = 32  # connections past the cap that are read for GET /health
 RESERVE_HEADER_TIMEOUT_S = 2.0  # ... and must send it within this long
+REFUSED_LINGER_S = 1.0  # a refused connection is closed this long after its answer
 SWEEP_S = 0.25
 MAX_HEADER_BYTES = 16 * 1024  # request line and headers
 
@@ -62,6 +66,7 @@ class ConnectionGuard:
         self.limits = limits
         self.metrics = metrics
         self.open: set[GuardedH11Protocol] = set()
+        self.silent: dict[GuardedH11Protocol, None] = {}  # open, no byte of a request received; oldest first
         self.over_capacity = raw_error(
             503, "Service Unavailable", f"the server holds its most connections ({limits.max_connections}, "
             "max_connections); retry shortly", "service_unavailable", retry_after_s=1)
@@ -76,6 +81,18 @@ class ConnectionGuard:
 
     def closed(self, reason: str) -> None:
         self.metrics.connections_closed.labels("http", reason).inc()
+
+    def make_room(self, newcomer: GuardedH11Protocol) -> None:
+        """Past the cap: close the oldest silent connection, so that `newcomer` takes its place."""
+        if len(self.open) <= self.limits.max_connections:
+            return
+        victim = next((c for c in self.silent if c is not newcomer), None)
+        if victim is None:
+            return
+        del self.silent[victim]
+        self.open.discard(victim)
+        victim.transport.close()
+        self.closed("evicted")
 
     async def sweep_forever(self) -> None:
         while True:
@@ -98,23 +115,35 @@ class GuardedH11Protocol(H11Protocol):
         self._stalled_since: float | None = None  # output waiting, none of it read, since
         self._buffered = 0
         self._oversized = False
+        guard.make_room(self)
         over = len(guard.open) - guard.limits.max_connections
-        if over > RESERVE:
+        self._refused = over > RESERVE
+        if self._refused:
+            # answer, and close only after a moment: closing a socket with the client's request unread would
+            # reset the connection, and the reset can destroy the answer before the client reads it
             transport.write(guard.over_capacity)
-            transport.close()
+            if transport.can_write_eof():
+                transport.write_eof()
+            self.loop.call_later(REFUSED_LINGER_S, transport.close)
             guard.closed("over_capacity")
-        elif over > 0:
-            self.app = _HealthOnly(self.app, guard)
-            self._header_limit = min(self._header_limit, RESERVE_HEADER_TIMEOUT_S)
+        else:
+            guard.silent[self] = None
+            if over > 0:
+                self.app = _HealthOnly(self.app, guard)
+                self._header_limit = min(self._header_limit, RESERVE_HEADER_TIMEOUT_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.open.discard(self)
+        self.guard.silent.pop(self, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._header_since is None and self.conn.their_state is h11.IDLE:
             self._header_since = time.monotonic()  # a new request after an idle keep-alive
         self._heard = True
+        self.guard.silent.pop(self, None)
         if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
             self.send_400_response("")
             return
@@ -126,6 +155,8 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._heard = bool(self.conn.trailing_data[0])
         self._header_since = time.monotonic() if self._heard and self.conn.their_state is h11.IDLE else None
+        if not self._heard and not self.transport.is_closing():
+            self.guard.silent[self] = None  # idle between requests
 
     def _headers_too_large(self, data: bytes) -> bool:
         """Whether the request line and headers, `data` included, run past MAX_HEADER_BYTES (h11 checks only
@@ -151,7 +182,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def check(self, now: float) -> None:
         """Enforce the header deadline and the write timeout (called by the sweep)."""
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._refused:
             return
         if self._header_since is not None and now - self._header_since > self._header_limit:
             self._header_since = None
