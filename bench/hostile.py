@@ -184,13 +184,14 @@ def run(bundle: str, connections: int, hold_s: float) -> dict:
 
 def markdown(result: dict) -> str:
     command = f"attnserve bench hostile --connections {result['connections']} --hold-s {result['hold_s']:g}"
-    lines = [f"`{command}` on {machine_line(result['machine'])}; "
+    lines = ["## Hostile clients", "", f"`{command}` on {machine_line(result['machine'])}; "
              f"`attnserve serve` with its default limits on `{Path(result['bundle']).name}`.", "",
              "| probe | answer | took | `/health` median / worst | gRPC `Generate` median / worst | watcher errors |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         h, g = r["health"], r["grpc"]
-        lines.append(f"| {r['probe']} | {r.get('outcome', '')} | {r.get('took_s', '')} s | {h['median_ms']} / "
+        took = f"{r['took_s']} s" if "took_s" in r else ""
+        lines.append(f"| {r['probe']} | {r.get('outcome', '')} | {took} | {h['median_ms']} / "
                      f"{h['max_ms']} ms | {g['median_ms']} / {g['max_ms']} ms | {r['error_count']} |")
     b, a = result["server_before"], result["server_after"]
     lines += ["", f"Server before the probes: {b['rss_mib']} MiB resident, {b['file_handles']} file handles; "
