@@ -161,10 +161,10 @@ class GuardedH11Protocol(H11Protocol):
     def _headers_too_large(self, data: bytes) -> bool:
         """Whether the request line and headers, `data` included, run past MAX_HEADER_BYTES (h11 checks only
         headers that arrive in pieces)."""
-        buffered = self.conn.trailing_data[0] if len(data) <= MAX_HEADER_BYTES else b""
+        buffered = self.conn.trailing_data[0]
         if len(buffered) + len(data) <= MAX_HEADER_BYTES:
             return False
-        head = (buffered + data)[:MAX_HEADER_BYTES + 4]
+        head = (buffered + data[:MAX_HEADER_BYTES + 4])[:MAX_HEADER_BYTES + 4]
         self._oversized = b"\r\n\r\n" not in head
         return self._oversized
 
