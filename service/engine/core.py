@@ -89,16 +89,16 @@ def served_context(config: EngineConfig, n_ctx: int) -> int:
 
 
 @dataclass
-class Ran:
+class RunnerOutput:
     """What one model call gave: a logits row per sequence to sample, and the requests it failed."""
 
     seqs: list[Sequence] = field(default_factory=list)
     logits: np.ndarray | None = None
     failed: list[Output] = field(default_factory=list)
 
-    def __add__(self, other: Ran) -> Ran:
+    def __add__(self, other: RunnerOutput) -> RunnerOutput:
         rows = [r.logits for r in (self, other) if r.seqs]
-        return Ran(self.seqs + other.seqs, np.concatenate(rows) if len(rows) == 2 else (rows or [None])[0],
+        return RunnerOutput(self.seqs + other.seqs, np.concatenate(rows) if len(rows) == 2 else (rows or [None])[0],
                    self.failed + other.failed)
 
 
@@ -247,25 +247,25 @@ class Engine:
 
     # ---- run: one model call, and who fails if it raises ---------------------------------------
 
-    def _run_prefill(self, work: PrefillWork) -> Ran:
+    def _run_prefill(self, work: PrefillWork) -> RunnerOutput:
         try:
             return self._prefill(work)
         except Exception as e:
             if len(work.seqs) == 1:
-                return Ran(failed=self._fail([work.seqs[0].state], e))
+                return RunnerOutput(failed=self._fail([work.seqs[0].request_state], e))
             log.warning("a prefill of %d prompts failed (%s); running them one at a time", len(work.seqs), e)
-            ran = Ran()
+            ran = RunnerOutput()
             for one in work.split():  # each reads its slot when it runs: a failed one's slot moves others
                 ran += self._run_prefill(one)
             return ran
 
-    def _prefill(self, work: PrefillWork) -> Ran:
+    def _prefill(self, work: PrefillWork) -> RunnerOutput:
         """Write the prompts (or the chunk); returns a logits row for each sequence whose prompt is now
         complete, the n > 1 siblings included."""
         now = time.monotonic()
         for seq in work.seqs:
-            if seq.state.scheduled_at is None:
-                seq.state.scheduled_at = now
+            if seq.request_state.scheduled_at is None:
+                seq.request_state.scheduled_at = now
                 self._running_requests += 1
         first = work.seqs[0].slot
         if work.start > 0:
@@ -273,20 +273,21 @@ class Engine:
         else:
             last = self.runner.prefill_batch(first, work.chunks)
         complete = self.scheduler.prefilled(work)
-        return Ran([seq for _, seq in complete], last[[row for row, _ in complete]])
+        return RunnerOutput([seq for _, seq in complete], last[[row for row, _ in complete]])
 
-    def _run_decode(self, decode: list[Sequence]) -> Ran:
+    def _run_decode(self, decode: list[Sequence]) -> RunnerOutput:
         """One token for each of slots [0, n); rows still prefilling a long prompt are not sampled."""
         n = len(decode)
         try:
             logits = self.runner.decode(*self.scheduler.decode_inputs(n))
         except Exception as e:
-            return Ran(failed=self._fail(dict.fromkeys(s.state for s in decode if s.status is Status.DECODING), e))
+            running = dict.fromkeys(s.request_state for s in decode if s.status is Status.DECODING)
+            return RunnerOutput(failed=self._fail(running, e))
         self.scheduler.decoded(n)
         live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
         if len(live) == n:
-            return Ran(decode, logits)
-        return Ran([decode[i] for i in live], logits[live])
+            return RunnerOutput(decode, logits)
+        return RunnerOutput([decode[i] for i in live], logits[live])
 
     def _fail(self, states: Iterable[RequestState], error: Exception) -> list[Output]:
         log.error("model call failed: %s: %s", type(error).__name__, error, exc_info=error)
@@ -298,7 +299,7 @@ class Engine:
 
     # ---- sample and update ---------------------------------------------------------------------
 
-    def _sample_and_update(self, ran: Ran) -> list[Output]:
+    def _sample_and_update(self, ran: RunnerOutput) -> list[Output]:
         out = ran.failed
         seqs = ran.seqs
         if not seqs:
@@ -324,7 +325,7 @@ class Engine:
 
     def _update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence."""
-        state = seq.state
+        state = seq.request_state
         seq.output_ids.append(token)
         seq.sampling.accept(token)
         if state.first_token_at is None:
@@ -362,8 +363,8 @@ class Engine:
         """Release `seq`'s slot; the request ends with its last sequence."""
         seq.finish_reason = reason
         self.scheduler.free(seq)
-        if all(s.status is Status.FINISHED for s in seq.state.seqs):
-            return self.end(seq.state, None)
+        if all(s.status is Status.FINISHED for s in seq.request_state.seqs):
+            return self.end(seq.request_state, None)
         return []
 
     # ---- counters ------------------------------------------------------------------------------

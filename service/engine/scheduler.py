@@ -110,7 +110,7 @@ class Scheduler:
 
     def _next_chunk(self, seq: Sequence, budget: int) -> PrefillWork:
         start = seq.num_prefilled
-        return PrefillWork([seq], [seq.state.prompt[start:start + max(budget, 1)]], start)
+        return PrefillWork([seq], [seq.request_state.prompt[start:start + max(budget, 1)]], start)
 
     def _admit(self, budget: int) -> PrefillWork | None:
         batch: list[RequestState] = []
@@ -162,9 +162,9 @@ class Scheduler:
             if self.chunking is seq:
                 self.chunking = None
             if self.prefixes:
-                self.prefixes.store(seq.state.prompt, self.kv, seq.slot)
+                self.prefixes.store(seq.request_state.prompt, self.kv, seq.slot)
             complete.append((row, seq))
-            for sibling in seq.state.seqs:
+            for sibling in seq.request_state.seqs:
                 if sibling is not seq:
                     self._fork(seq, sibling)
                     complete.append((row, sibling))
@@ -186,7 +186,7 @@ class Scheduler:
     def _fork(self, seq: Sequence, sibling: Sequence) -> None:
         """Give a reserved slot to `sibling` with a copy of `seq`'s prompt cache."""
         sibling.slot = self.kv.allocate(sibling, reserved=True)
-        sibling.state.reserved -= 1
+        sibling.request_state.reserved -= 1
         self.kv.copy(seq.slot, sibling.slot, int(self.kv.lengths[seq.slot]))
         sibling.num_prefilled = seq.num_prefilled
         sibling.status = Status.DECODING
@@ -195,7 +195,7 @@ class Scheduler:
         """Release the sequence's slot (or its reservation) now; a prefix cache keeps what it wrote."""
         if seq.slot is not None and self.prefixes and seq.status is Status.DECODING:
             written = int(self.kv.lengths[seq.slot])  # the prompt, then every output token fed back
-            self.prefixes.store((seq.state.prompt + seq.output_ids)[:written], self.kv, seq.slot)
+            self.prefixes.store((seq.request_state.prompt + seq.output_ids)[:written], self.kv, seq.slot)
         if seq.slot is not None:
             moved = self.kv.release(seq.slot)
             if moved is not None:

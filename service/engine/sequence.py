@@ -30,7 +30,7 @@ class Timing:
 
 @dataclass(eq=False)
 class Sequence:
-    state: RequestState  # the request this sequence belongs to
+    request_state: RequestState  # the request this sequence is one of the n samples of
     index: int  # position among the request's n sequences
     sampling: SamplingState
     text: TextStream
@@ -42,11 +42,11 @@ class Sequence:
 
     @property
     def request(self) -> GenerationRequest:
-        return self.state.request
+        return self.request_state.request
 
     @property
     def prompt_len(self) -> int:
-        return len(self.state.prompt)
+        return len(self.request_state.prompt)
 
 
 @dataclass(eq=False)

@@ -145,19 +145,19 @@ class Call:
     def __init__(self, state: FrontState, protocol: str, method: str):
         self.state, self.protocol, self.method = state, protocol, method
         self.metrics = state.metrics
-        self.wire: AcceptedRequest | None = None
+        self.admitted: AcceptedRequest | None = None  # its (first) request, once the engine took it
         self.streams: list[RequestStream] = []
         self.tokens = 0
         self.prompt_tokens = 0
         self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
         self._started: set[int] = set()  # streams whose first token was observed
 
-    def accepted(self, wire: AcceptedRequest, stream: RequestStream) -> None:
-        self.wire = wire
+    def accepted(self, accepted: AcceptedRequest, stream: RequestStream) -> None:
+        self.admitted = accepted
         self.streams.append(stream)
-        logs.request_id.set(wire.request_id)
-        self.prompt_tokens += len(wire.request.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(len(wire.request.prompt_token_ids))
+        logs.request_id.set(accepted.request_id)
+        self.prompt_tokens += len(accepted.request.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
 
     def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
         stream = stream or self.streams[0]
@@ -179,7 +179,7 @@ class Call:
     def finished(self, code: str, ok: bool) -> None:
         """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
         self.metrics.requests.labels(self.protocol, self.method, code).inc()
-        if self.wire is None:
+        if self.admitted is None:
             return
         total = time.monotonic() - min(s.timing.arrival for s in self.streams)
         if ok:

@@ -24,7 +24,7 @@ def workload(rng_seed: int = 0) -> list[GenerationRequest]:
 
 
 def slots_of(engine, rid: str) -> int:
-    return sum(1 for o in engine.kv.owners[:engine.kv.used] if o is not None and o.state.id == rid)
+    return sum(1 for o in engine.kv.owners[:engine.kv.used] if o is not None and o.request_state.id == rid)
 
 
 # ---- abort ---------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_abort_during_chunked_prefill(make_engine):
 
     def abort_long(e, step, r):
         if step == 4:
-            assert e.scheduler.chunking is not None and e.scheduler.chunking.state.id == "long"
+            assert e.scheduler.chunking is not None and e.scheduler.chunking.request_state.id == "long"
             assert 0 < e.scheduler.chunking.num_prefilled < 90
             r.collect(e.abort("long"))
             assert e.scheduler.chunking is None and e.kv.used == 1
@@ -201,7 +201,7 @@ def test_model_fault_fails_that_step_only(make_engine):
     for r in reqs:
         engine.add(engine.new_request(r))
     while calls["n"] < 3:
-        in_step = {s.state.id for s in engine.kv.owners[:engine.kv.used] if s is not None}
+        in_step = {s.request_state.id for s in engine.kv.owners[:engine.kv.used] if s is not None}
         waiting = [s.id for s in engine.scheduler.waiting]
         run.collect(engine.step())
     assert in_step == {"a", "b"} and waiting == ["c", "d"]

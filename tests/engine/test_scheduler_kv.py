@@ -173,7 +173,7 @@ def test_every_step_fits_the_token_budget_and_long_prompts_are_chunked(make_engi
             p = out.prefill
             assert [s.slot for s in p.seqs] == list(range(p.seqs[0].slot, p.seqs[0].slot + len(p.seqs)))
             for seq, chunk in zip(p.seqs, p.chunks, strict=True):
-                chunks.setdefault(seq.state.id, []).append((p.start, chunk))
+                chunks.setdefault(seq.request_state.id, []).append((p.start, chunk))
         return out
 
     engine.scheduler.schedule = schedule
@@ -198,8 +198,8 @@ def test_admission_is_first_come_first_served(make_engine):
 
     def first_seen():
         for seq in engine.kv.owners[:engine.kv.used]:
-            if seq is not None and seq.state.id not in order:
-                order.append(seq.state.id)
+            if seq is not None and seq.request_state.id not in order:
+                order.append(seq.request_state.id)
 
     def pb(first_slot, prompts):
         out = prefill_batch(first_slot, prompts)

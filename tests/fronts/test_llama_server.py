@@ -27,9 +27,9 @@ def llama_server(llama_bundle):
 def alone(bundle, prompt: str, **fields) -> list[list[int]]:
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=8, max_batch_tokens=256))
     facts = ModelFacts(engine.tokenizer, engine.model.n_ctx, engine.limits)
-    wire = parse_request(build_request(prompt, **fields), facts)
-    run = drive(engine, [wire.request])
-    return [run.tokens(wire.request.request_id, i) for i in range(wire.request.n)]
+    accepted = parse_request(build_request(prompt, **fields), facts)
+    run = drive(engine, [accepted.request])
+    return [run.tokens(accepted.request.request_id, i) for i in range(accepted.request.n)]
 
 
 def test_model_info_reports_the_architecture_and_the_kv_heads(llama_server):

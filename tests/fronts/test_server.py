@@ -32,9 +32,9 @@ def tokenizer(engine_bundle) -> Tokenizer:
 def expected(make_engine, tokenizer, prompt, **fields) -> list[list[int]]:
     """Token ids of each completion, from the in-process engine given the same request alone."""
     engine = make_engine(max_running=16)
-    wire = parse_request(build_request(prompt, **fields), ModelFacts(tokenizer, engine.model.n_ctx, engine.limits))
-    run = drive(engine, [wire.request])
-    return [run.tokens(wire.request.request_id, i) for i in range(wire.request.n)]
+    accepted = parse_request(build_request(prompt, **fields), ModelFacts(tokenizer, engine.model.n_ctx, engine.limits))
+    run = drive(engine, [accepted.request])
+    return [run.tokens(accepted.request.request_id, i) for i in range(accepted.request.n)]
 
 
 def test_unary_generate_equals_the_engine_alone(client, make_engine, tokenizer):

@@ -62,12 +62,12 @@ def token_logprob(event: TokenEvent, texts: TokenTexts) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=event.token_id, logprob=event.logprob, text=texts(event.token_id), top=top)
 
 
-def usage(wire: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing) -> pb.Usage:
+def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing) -> pb.Usage:
     """Counts and timings; `events_time` is when the last token was produced."""
     arrival = timing.arrival
     queue = (timing.scheduled_at or events_time) - arrival
     ttft = (timing.first_token_at or events_time) - arrival
-    return pb.Usage(prompt_tokens=len(wire.request.prompt_token_ids), completion_tokens=completion_tokens,
+    return pb.Usage(prompt_tokens=len(accepted.request.prompt_token_ids), completion_tokens=completion_tokens,
                     queue_ms=1000 * queue, ttft_ms=1000 * ttft, total_ms=1000 * (events_time - arrival),
                     cached_prompt_tokens=timing.cached_tokens)
 
@@ -80,7 +80,7 @@ class StreamState:
     completion_tokens: int = 0
 
 
-def stream_messages(wire: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
+def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
                     timing: Timing, last: bool) -> list[pb.GenerateStreamResponse]:
     """One message per completion index among `events` (events that arrived together are merged);
     `last` = these events end the request, so the final message carries the usage."""
@@ -90,30 +90,30 @@ def stream_messages(wire: AcceptedRequest, events: list[TokenEvent], texts: Toke
     out = []
     for index, evs in by_index.items():
         text = "".join(e.text for e in evs)
-        if wire.echo and index not in sent.started:
-            text = wire.prompt_text + text
+        if accepted.echo and index not in sent.started:
+            text = accepted.prompt_text + text
         sent.started.add(index)
-        msg = pb.GenerateStreamResponse(request_id=wire.request_id, index=index, text=text,
+        msg = pb.GenerateStreamResponse(request_id=accepted.request_id, index=index, text=text,
                                         token_ids=[e.token_id for e in evs])
-        if wire.want_logprobs:
+        if accepted.want_logprobs:
             msg.logprobs.extend(token_logprob(e, texts) for e in evs)
         if evs[-1].finish_reason is not None:
             msg.finish_reason = FINISH[evs[-1].finish_reason]
         out.append(msg)
     sent.completion_tokens += len(events)
     if last and out:
-        out[-1].usage.CopyFrom(usage(wire, events[-1].time, sent.completion_tokens, timing))
+        out[-1].usage.CopyFrom(usage(accepted, events[-1].time, sent.completion_tokens, timing))
     return out
 
 
 class Collector:
     """Accumulates a request's events into the unary `GenerateResponse`."""
 
-    def __init__(self, wire: AcceptedRequest, texts: TokenTexts):
-        self.wire = wire
+    def __init__(self, accepted: AcceptedRequest, texts: TokenTexts):
+        self.accepted = accepted
         self.texts = texts
-        n = wire.request.n
-        self._text = [[wire.prompt_text] if wire.echo else [] for _ in range(n)]
+        n = accepted.request.n
+        self._text = [[accepted.prompt_text] if accepted.echo else [] for _ in range(n)]
         self._ids: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
         self._finish = [pb.FINISH_REASON_UNSPECIFIED] * n
@@ -123,7 +123,7 @@ class Collector:
         for e in events:
             self._text[e.index].append(e.text)
             self._ids[e.index].append(e.token_id)
-            if self.wire.want_logprobs:
+            if self.accepted.want_logprobs:
                 self._logprobs[e.index].append(token_logprob(e, self.texts))
             if e.finish_reason is not None:
                 self._finish[e.index] = FINISH[e.finish_reason]
@@ -132,7 +132,7 @@ class Collector:
     def response(self, timing: Timing) -> pb.GenerateResponse:
         completions = [pb.Completion(index=i, text="".join(self._text[i]), token_ids=self._ids[i],
                                      finish_reason=self._finish[i], logprobs=self._logprobs[i])
-                       for i in range(self.wire.request.n)]
+                       for i in range(self.accepted.request.n)]
         tokens = sum(len(ids) for ids in self._ids)
-        return pb.GenerateResponse(request_id=self.wire.request_id, completions=completions,
-                                   usage=usage(self.wire, self._last_time, tokens, timing))
+        return pb.GenerateResponse(request_id=self.accepted.request_id, completions=completions,
+                                   usage=usage(self.accepted, self._last_time, tokens, timing))

@@ -34,19 +34,20 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._generation(request, context, "Generate") as (call, wire, stream):
-            collector = Collector(wire, self.state.texts)
+        async with self._generation(request, context, "Generate") as (call, accepted, stream):
+            collector = Collector(accepted, self.state.texts)
             while batch := await stream.next_batch():
                 call.observe(batch)
                 collector.add(batch)
             return collector.response(stream.timing)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
-        async with self._generation(request, context, "GenerateStream") as (call, wire, stream):
+        async with self._generation(request, context, "GenerateStream") as (call, accepted, stream):
             sent = StreamState()
             while batch := await self.state.next_message(stream):
                 call.observe(batch)
-                for msg in stream_messages(wire, batch, self.state.texts, sent, stream.timing, last=stream.finished):
+                last = stream.finished
+                for msg in stream_messages(accepted, batch, self.state.texts, sent, stream.timing, last=last):
                     await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -121,7 +122,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             code = status.code
             if status.is_bug:
                 log.error("%s", status.details, exc_info=e)
-            elif call.wire is None:  # refused before it reached the engine (requests that ran log in finished())
+            elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
                 log.info("%s %s: %s", method, code.name, status.details)
             await context.abort(status.code, status.details, status.trailing_metadata)
         finally:
@@ -134,17 +135,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             logs.request_id.set(request.request_id or "-")
             engine = self.state.admit()
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
-            wire = await asyncio.to_thread(parse_request, request, self.state.model) if long else \
+            accepted = await asyncio.to_thread(parse_request, request, self.state.model) if long else \
                 parse_request(request, self.state.model)
-            logs.request_id.set(wire.request_id)
+            logs.request_id.set(accepted.request_id)
             remaining = context.time_remaining()
             if remaining is not None:
-                wire.request.deadline = time.monotonic() + remaining
-            stream = engine.submit(wire.request)
-            call.accepted(wire, stream)
+                accepted.request.deadline = time.monotonic() + remaining
+            stream = engine.submit(accepted.request)
+            call.accepted(accepted, stream)
             with self.state.in_flight():
                 try:
-                    yield call, wire, stream
+                    yield call, accepted, stream
                 finally:
                     stream.cancel()  # no-op once finished; otherwise frees the slots at the next step
 

@@ -198,7 +198,7 @@ class HttpFront:
             prompts = body.prompts()
 
             def accept_all() -> list[AcceptedRequest]:
-                wires = []
+                accepted_requests = []
                 for prompt in prompts:
                     if isinstance(prompt, str):
                         text, ids = prompt, []
@@ -207,14 +207,16 @@ class HttpFront:
                     fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                               "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
                               "echo": bool(body.echo)}
-                    wires.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, facts,
-                                              renames, request))
-                return wires
+                    accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                                          facts, renames, request))
+                return accepted_requests
 
-            wires = await _off_loop(size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS, accept_all)
-            logs.request_id.set(wires[0].request_id)
-            builder = CompletionBuilder(self._served_name(), wires, self._token_strings(), self._include_usage(body))
-            return await self._generate(request, call, wires, builder, bool(body.stream), renames)
+            heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
+            accepted_requests = await _off_loop(heavy, accept_all)
+            logs.request_id.set(accepted_requests[0].request_id)
+            builder = CompletionBuilder(self._served_name(), accepted_requests, self._token_strings(),
+                                        self._include_usage(body))
+            return await self._generate(request, call, accepted_requests, builder, bool(body.stream), renames)
         except Exception as e:
             return self._failed(call, e)
 
@@ -246,19 +248,19 @@ class HttpFront:
                        "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
                        and body.max_tokens is None else "max_tokens"}
             max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-            wire = self._accept(fields, body, max_tokens, None, facts, renames, request)
-            logs.request_id.set(wire.request_id)
-            builder = ChatBuilder(self._served_name(), [wire], self._token_strings(), self._include_usage(body))
-            return await self._generate(request, call, [wire], builder, bool(body.stream), renames)
+            accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
+            logs.request_id.set(accepted.request_id)
+            builder = ChatBuilder(self._served_name(), [accepted], self._token_strings(), self._include_usage(body))
+            return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
         except Exception as e:
             return self._failed(call, e)
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, call: Call, wires: list[AcceptedRequest],
+    async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
                         builder: ResponseBuilder, stream: bool, renames: dict[str, str]) -> Response:
         try:
-            generation = Generation(self.state, call, wires)  # the engine's own checks run here
+            generation = Generation(self.state, call, accepted_requests)  # the engine's own checks run here
         except InvalidRequest as e:
             raise renamed(e, renames) from None
         if stream:
@@ -269,7 +271,7 @@ class HttpFront:
                 call.finished(outcome["code"], outcome["code"] == "200")
 
             return SSEResponse(self._events(generation, builder, outcome), cleanup,
-                               {"X-Request-Id": wires[0].request_id})
+                               {"X-Request-Id": accepted_requests[0].request_id})
         try:
             async for index, events in generation.events(request.receive):
                 builder.add(index, events)
@@ -279,8 +281,8 @@ class HttpFront:
         finally:
             generation.close()
         builder.cached_tokens = generation.cached_prompt_tokens
-        headers = {"X-Request-Id": wires[0].request_id}
-        request0 = wires[0].request
+        headers = {"X-Request-Id": accepted_requests[0].request_id}
+        request0 = accepted_requests[0].request
         if call.tokens * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
             return self._ok(call, StreamingResponse(json_pieces(builder.response()), media_type="application/json",
                                                     headers=headers))
@@ -365,15 +367,15 @@ class HttpFront:
         them (`renames`), and the body's or the header's timeout as its deadline."""
         fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
         try:
-            wire = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
+            accepted = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:
             raise renamed(e, renames) from None
         timeout = body.timeout if body.timeout is not None else _header_timeout(request)
         if timeout is not None:
             if not (math.isfinite(timeout) and timeout > 0):
                 raise InvalidRequest("timeout", f"{timeout!r} is not a positive number of seconds")
-            wire.request.deadline = time.monotonic() + timeout
-        return wire
+            accepted.request.deadline = time.monotonic() + timeout
+        return accepted
 
     def _check_model(self, name: str | None) -> None:
         served = self._served_name()
@@ -425,7 +427,7 @@ class HttpFront:
             status = http_status_for(error, retry_ms)
         if status.is_bug:
             log.error("%s", status.message, exc_info=error)
-        elif call.wire is None:  # refused before it reached the engine (requests that ran log in finished())
+        elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
             log.info("http %s %d: %s", call.method, status.status, status.message)
         call.finished(str(status.status), False)
         return error_response(status)

@@ -2,7 +2,7 @@
 guarantee that whatever ends the call (the last token, an error, the client going away) frees every
 KV slot it holds at the engine's next step.
 
-    gen = Generation(state, call, wires)      # submits every prompt, or none (Overloaded, InvalidRequest)
+    gen = Generation(state, call, accepted_requests)      # submits every prompt, or none (Overloaded, InvalidRequest)
     async for stream_index, events in gen.events(receive):   # receive: watch for a disconnect
         ...
     gen.close()                                # idempotent; cancels what is still running
@@ -27,7 +27,7 @@ class ClientGone(Cancelled):
 
 
 class Generation:
-    def __init__(self, state: FrontState, call: Call, wires: list[AcceptedRequest]):
+    def __init__(self, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest]):
         self.state, self.call = state, call
         self.streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
@@ -35,10 +35,10 @@ class Generation:
         engine = state.admit()
         state.in_flight_enter()
         try:
-            for wire in wires:
-                stream = engine.submit(wire.request)
+            for accepted in accepted_requests:
+                stream = engine.submit(accepted.request)
                 self.streams.append(stream)
-                call.accepted(wire, stream)
+                call.accepted(accepted, stream)
         except BaseException:
             self.close()
             raise

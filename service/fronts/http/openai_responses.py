@@ -92,18 +92,19 @@ class ResponseBuilder:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, wires: list[AcceptedRequest], texts: TokenStrings, include_usage: bool = False):
+    def __init__(self, model: str, accepted_requests: list[AcceptedRequest], texts: TokenStrings,
+                 include_usage: bool = False):
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.wires = wires
+        self.accepted_requests = accepted_requests
         self.texts = texts
-        self.n = wires[0].request.n
+        self.n = accepted_requests[0].request.n
         self.include_usage = include_usage
-        self.choices = [Choice(p * self.n + j) for p in range(len(wires)) for j in range(self.n)]
-        self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in wires)
+        self.choices = [Choice(p * self.n + j) for p in range(len(accepted_requests)) for j in range(self.n)]
+        self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in accepted_requests)
         self.cached_tokens = 0  # of those, found in the prefix cache: set when the generation ends
-        self.want_logprobs = wires[0].want_logprobs
+        self.want_logprobs = accepted_requests[0].want_logprobs
         self.logprobs = [self._new_logprobs() for _ in self.choices]  # each choice's, whole
         self._echoed: set[int] = set()
 
@@ -120,13 +121,13 @@ class ResponseBuilder:
         for e in events:
             c = self.choice(stream_index, e)
             delta, lp = touched.setdefault(c.index, ([], self._new_logprobs() if self.want_logprobs else None))
-            wire = self.wires[stream_index]
+            accepted = self.accepted_requests[stream_index]
             if c.index not in self._echoed:
                 self._echoed.add(c.index)
-                if wire.echo:  # completions only: chat never echoes
-                    delta.append(wire.prompt_text)
-                    c.text.append(wire.prompt_text)
-                    c.chars += len(wire.prompt_text)
+                if accepted.echo:  # completions only: chat never echoes
+                    delta.append(accepted.prompt_text)
+                    c.text.append(accepted.prompt_text)
+                    c.chars += len(accepted.prompt_text)
             if lp is not None:
                 self._record((lp, self.logprobs[c.index]), e, c.chars)
             delta.append(e.text)
