@@ -97,13 +97,13 @@ train: install
 	$(BIN)/attnserve train --arch llama --max-steps 1500 --out runs/shakespeare-llama-1500
 	$(BIN)/attnserve train --arch gpt --max-steps 3300 --out runs/shakespeare-gpt
 	$(BIN)/attnserve train --arch llama --max-steps 3900 --out runs/shakespeare-llama
-	$(BIN)/python -m model.pick_default $(CANDIDATES) --out $(MODEL)
+	$(BIN)/python -m model.training.pick_default $(CANDIDATES) --out $(MODEL)
 
 bundle: install
 	rm -rf $(BUNDLE)
 	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --int8 --no-fp32 --verify
 
-# The grapheme-to-phoneme encoder-decoder (model/train_g2p.py, docs/model.md): a 30-minute budget on 2 cores
+# The grapheme-to-phoneme encoder-decoder (model/training/train_g2p.py, docs/model.md): a 30-minute budget on 2 cores
 G2P        := models/g2p-cmudict
 G2P_BUNDLE := models/g2p-cmudict-onnx
 train-g2p: install

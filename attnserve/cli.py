@@ -11,13 +11,14 @@ import sys
 
 COMMANDS = {
     "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
-    "train": ("model.train", "train the default model on the Shakespeare corpus"),
-    "train-g2p": ("model.train_g2p", "train the grapheme-to-phoneme encoder-decoder on the CMU Pronouncing Dictionary"),
+    "train": ("model.training.train", "train the default model on the Shakespeare corpus"),
+    "train-g2p": ("model.training.train_g2p",
+                  "train the grapheme-to-phoneme encoder-decoder on the CMU Pronouncing Dictionary"),
     "health": ("service.client.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
     "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
-    "import-hf": ("model.import_hf", "convert a local Hugging Face GPT-2, Llama-family or BART checkpoint"),
-    "export-hf": ("model.export_hf", "write a model directory as a Hugging Face GPT-2 or Llama directory"),
+    "import-hf": ("model.hf.import_hf", "convert a local Hugging Face GPT-2, Llama-family or BART checkpoint"),
+    "export-hf": ("model.hf.export_hf", "write a model directory as a Hugging Face GPT-2 or Llama directory"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
     "bench": ("bench.cli", "run a benchmark (engine, serve, compare, ...) and record it in docs/BENCHMARKS.md"),
 }

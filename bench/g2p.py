@@ -43,7 +43,7 @@ ALONE, CONCURRENCY, MAX_NEW = 64, 32, 35
 
 def make_spec(model_dir: Path, words: int, seed: int) -> tuple[dict, dict]:
     """(the spec every system runs, the test words' references)."""
-    from model import g2p_data as data
+    from model.training import g2p_data as data
     from service.runtime.tokenizer import Tokenizer
 
     test = data.split_words(data.load_cmudict()).test
@@ -78,8 +78,8 @@ def reference(model_dir: Path, spec: dict) -> list[list[int]]:
 def prepare(work: Path, model_dir: Path) -> tuple[dict[str, list[str] | None], str]:
     """The BART directory and CTranslate2's conversions: each peer's command (None: not installed, or the
     model is not one BART can express; the reason is returned with them)."""
-    from model.export_hf import export_hf
-    from model.hf_bart import Unsupported
+    from model.hf.bart import Unsupported
+    from model.hf.export_hf import export_hf
 
     hf = work / "hf"
     try:
@@ -108,7 +108,7 @@ def run(cmd: list[str], spec_path: Path) -> dict:
 
 def summarize(results: list[dict], words: list[str], refs: dict, torch_out: list[list[int]],
               vocab: list[str]) -> dict:
-    from model import g2p_data as data
+    from model.training import g2p_data as data
 
     first = results[0]
     outputs = first["outputs"]

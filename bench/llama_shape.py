@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {name: getattr(args, name) for name in SMOLLM2_135M}
     levels = [int(c) for c in args.concurrency.split(",")]
     from export.cli import export_bundle
-    from model.import_hf import import_hf
+    from model.hf.import_hf import import_hf
 
     rows, timings, refused = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@ runner (`service.runtime.static_runner.StaticRunner`, on a KV cache of its own),
 reference runner (`service.runtime.concat_runner.ConcatRunner`). Latency: a 16-token prompt, then 64 greedy
 decode steps at batch 1 (fewer if the context is shorter); the median step time over --repeats runs.
 Quality (--quality): bits/char on the held-out plays through onnxruntime, scored exactly as training
-scores PyTorch (`model.scoring`), each window in one forward pass that returns every position's logits.
+scores PyTorch (`model.training.scoring`), each window in one forward pass that returns every position's logits.
 Prints a markdown table; writes docs/bench/onnx_variants.json and its section of docs/BENCHMARKS.md.
 """
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
-from model.data import load_corpus
-from model.scoring import bits_per_char, encode_documents, eval_batches, nll_sum
+from model.training.data import load_corpus
+from model.training.scoring import bits_per_char, encode_documents, eval_batches, nll_sum
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import GraphSpec, read_manifest
 from service.runtime.concat_runner import ConcatRunner

@@ -6,7 +6,7 @@
 Every candidate of `export.variants.QUANTIZATIONS` is written from the bundle's fp32 serving graph
 and measured against it, on this CPU; each 4-bit one once per block size of `--block-sizes` (named
 `nbits4-int8-b64` and so on, as `export.variants.quantization` reads them):
-- held-out bits/char: the held-out plays scored as training scores them (`model.scoring`);
+- held-out bits/char: the held-out plays scored as training scores them (`model.training.scoring`);
 - greedy agreement: 16 prompts cut from the held-out text, 64 greedy tokens each; how many of the
   continuations are identical to fp32's, and the mean number of tokens before the first difference;
 - top-1 agreement on the start-up self-check's probe (`service.runtime.self_check`);

@@ -56,7 +56,7 @@ distinct tokens in a row.
 
 Tokenizers. The random models need a tokenizer with their exact vocabulary for the peers to load.
 It is a standard GPT-2-style byte-level BPE (GPT-2's pre-tokenizer, `<|endoftext|>` = id 0) trained
-with Hugging Face `tokenizers` on the whole Shakespeare corpus (`model.data`); the trainer stops at
+with Hugging Face `tokenizers` on the whole Shakespeare corpus (`model.training.data`); the trainer stops at
 47,854 tokens, when every word of the corpus is one token, so the ids above that are reserved
 tokens `<reserved_N>` (added, not special: they encode and decode as their text). A vocabulary no
 larger than the shipped model's (the tests' tiny shapes) is the shipped BPE truncated, which is the
@@ -178,7 +178,7 @@ def build(size: str, config, root: Path, model_dir: Path, want: dict) -> dict:
     """Write the model directory (random sizes), the HF directory and the bundle; check them; write the stamp."""
     from export.verify import verify_static
     from model.checkpoint import load_model_dir, save_model_dir
-    from model.export_hf import export_hf
+    from model.hf.export_hf import export_hf
 
     if root.exists():
         shutil.rmtree(root)
@@ -274,8 +274,8 @@ def bpe_tokenizer(vocab_size: int):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from model.data import load_plays
-    from model.tokenizer import train_bpe
+    from model.training.data import load_plays
+    from model.training.tokenizer import train_bpe
     from service.runtime.tokenizer import Tokenizer
 
     shipped = HFTokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json"))

@@ -3,7 +3,7 @@
 Blocks are pre-norm: x + Attn(Norm(x)), then x + FFN(Norm(x)). The config chooses the pieces:
 learned, sinusoidal or rotary positions (`rotary.py`), LayerNorm or RMSNorm (`norm.py`), a GELU or
 SwiGLU feed-forward, grouped-query attention, biases, tied embeddings. Parameter names map onto
-Hugging Face GPT-2 and Llama checkpoints (see `import_hf.py`); our Linear weights are (out, in).
+Hugging Face GPT-2 and Llama checkpoints (see `hf/import_hf.py`); our Linear weights are (out, in).
 
 `forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
 `BatchKVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.

@@ -83,7 +83,7 @@ TINY_TEXTS = [
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
-    from model.tokenizer import train_bpe
+    from model.training.tokenizer import train_bpe
 
     return Tokenizer(train_bpe(TINY_TEXTS, vocab_size=300, min_frequency=1))
 
@@ -241,7 +241,7 @@ def make_lively_seq2seq(vocab_size: int, seed: int = 0, **overrides):
 def seq2seq_model_dir(tmp_path_factory) -> Path:
     """A lively tiny encoder-decoder with the G2P tokenizer (letters in, phonemes out)."""
     from model.checkpoint import save_model_dir
-    from model.g2p_data import g2p_tokenizer
+    from model.training.g2p_data import g2p_tokenizer
 
     tokenizer = g2p_tokenizer()
     path = tmp_path_factory.mktemp("seq2seq_model")

@@ -5,6 +5,8 @@ including those inside functions):
 - the runtime imports neither the engine nor a front (the engine builds on it, never the reverse);
 - serving (service/) imports neither torch nor anything from model/, export/ or bench/;
 - export/ and model/ use from service/ only the runtime (the bundle format, the tokenizer, the runners);
+- the network (the modules at the top of model/) imports neither training (model/training/) nor Hugging Face
+  conversion (model/hf/), and export/ builds on the network alone;
 - no test outside tests/bench imports bench/.
 """
 
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# every package of model/: the network at the top, and the subpackages that build on it
+MODEL_PACKAGES = ("model", "model/training", "model/hf")
 
 FRONT_MODULES = ("grpc", "grpc_health", "grpc_reflection", "attnserve.v1", "fastapi", "starlette", "uvicorn",
                  "http", "service.fronts", "service.client", "service.server", "service.settings")
@@ -61,6 +65,20 @@ def test_the_rules_see_imports_inside_functions(tmp_path):
 ], ids=["engine-imports-no-front", "runtime-imports-no-engine-or-front", "serving-imports-no-torch-or-model", "export-and-model-use-only-the-runtime"])
 def test_import_rule(folders, forbidden):
     assert offences(sources(*folders), forbidden) == []
+
+
+def test_the_rules_know_every_package_of_model():
+    """A new subpackage of model/ is a choice of what may import it: add it to MODEL_PACKAGES and to the rules."""
+    assert sorted(str(p.parent.relative_to(ROOT)) for p in (ROOT / "model").rglob("__init__.py")) == sorted(MODEL_PACKAGES)
+
+
+def test_the_network_imports_neither_training_nor_hugging_face_conversion():
+    network = sorted((ROOT / "model").glob("*.py"))
+    assert network and offences(network, ("model.training", "model.hf")) == []
+
+
+def test_export_builds_on_the_network_alone():
+    assert offences(sources("export"), ("model.training", "model.hf")) == []
 
 
 def test_no_test_outside_tests_bench_imports_bench():

@@ -53,7 +53,7 @@ def test_precisions_map_to_llama_cpp_types_and_the_protocol_names():
 
 @pytest.fixture(scope="module")
 def lively_hf(lively_model_dir, tmp_path_factory) -> Path:
-    from model.export_hf import export_hf
+    from model.hf.export_hf import export_hf
 
     return export_hf(lively_model_dir, tmp_path_factory.mktemp("llama_cpp") / "hf")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.tokenizer import train_bpe
+from model.training.tokenizer import train_bpe
 from service.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, TextStream
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.runtime.tokenizer import Tokenizer

@@ -12,8 +12,8 @@ import torch
 from export.bundle_writer import sha256_file
 from export.verify import verify_static
 from model.checkpoint import load_model_dir
-from model.data import load_corpus
-from model.scoring import encode_documents, eval_batches, nll_sum
+from model.training.data import load_corpus
+from model.training.scoring import encode_documents, eval_batches, nll_sum
 from service.runtime.bundle import read_manifest
 from service.runtime.concat_runner import ConcatRunner
 from service.runtime.self_check import logits_at_every_position

@@ -156,7 +156,7 @@ def test_export_cli_verifies_and_exits_zero(tiny_model_dir, tmp_path):
 
 def test_imported_gpt2_exports_and_verifies(tiny_tokenizer, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from model.import_hf import import_hf
+    from model.hf.import_hf import import_hf
 
     cfg = transformers.GPT2Config(vocab_size=tiny_tokenizer.vocab_size, n_positions=160, n_embd=32, n_layer=2,
                                   n_head=2, eos_token_id=tiny_tokenizer.eos_id)

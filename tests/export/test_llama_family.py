@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from export.cli import export_bundle  # noqa: E402
 from export.verify import verify, verify_static  # noqa: E402
 from model.checkpoint import load_model_dir  # noqa: E402
-from model.import_hf import import_hf  # noqa: E402
+from model.hf.import_hf import import_hf  # noqa: E402
 from service.engine.config import EngineConfig  # noqa: E402
 from service.engine.core import Engine  # noqa: E402
 from service.runtime.bundle import read_manifest  # noqa: E402

@@ -12,7 +12,7 @@ from export.cli import main
 from export.seq2seq_bundle import export_seq2seq_bundle
 from export.verify_seq2seq import verify_seq2seq
 from model.checkpoint import save_model_dir
-from model.g2p_data import g2p_tokenizer
+from model.training.g2p_data import g2p_tokenizer
 from service.runtime.bundle import BundleError, read_manifest
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.static_runner import StaticRunner

@@ -172,7 +172,7 @@ def test_a_key_that_is_not_pem_stops_start_up(engine_bundle, tmp_path, pki):
 @pytest.mark.needs_torch(reason="imports a checkpoint with torch")
 def test_pickled_checkpoints_are_refused(tiny_tokenizer, tmp_path):
     """`.bin` weights load with weights_only=True: a pickle that would run code is refused, unrun."""
-    from model.import_hf import import_hf
+    from model.hf.import_hf import import_hf
     from tests.model.test_import_hf import save_random_gpt2
 
     src = tmp_path / "hf"

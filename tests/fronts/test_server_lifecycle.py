@@ -230,7 +230,7 @@ def damage(bundle: Path, how: str) -> str:
         graph.unlink()
         return graph.name
     if how == "mismatched tokenizer":
-        from model.tokenizer import train_bpe
+        from model.training.tokenizer import train_bpe
 
         train_bpe(["a different corpus, a different vocabulary"] * 4, vocab_size=270, min_frequency=1).save(
             str(bundle / manifest["tokenizer_file"]))

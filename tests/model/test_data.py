@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.data import VAL_PLAYS, load_plays, strip_gutenberg
+from model.training.data import VAL_PLAYS, load_plays, strip_gutenberg
 
 
 def test_strip_gutenberg_header_and_footer():

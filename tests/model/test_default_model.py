@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from model.checkpoint import load_model_dir
-from model.data import load_corpus
-from model.scoring import bits_per_char, encode_documents
-from model.train import evaluate
+from model.training.data import load_corpus
+from model.training.scoring import bits_per_char, encode_documents
+from model.training.train import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "shakespeare"

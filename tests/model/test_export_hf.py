@@ -11,9 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model_dir, save_model_dir  # noqa: E402
-from model.export_hf import architecture, export_hf, main  # noqa: E402
 from model.generate import generate  # noqa: E402
-from model.import_hf import import_hf  # noqa: E402
+from model.hf.export_hf import architecture, export_hf, main  # noqa: E402
+from model.hf.import_hf import import_hf  # noqa: E402
 from tests.conftest import LLAMA, ROOT, make_lively, make_model  # noqa: E402
 from tests.model.hf_models import greedy_hf  # noqa: E402
 

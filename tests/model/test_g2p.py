@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from model import g2p_data as data
-from model.g2p_data import Scores, edit_distance, g2p_tokenizer, score
+from model.training import g2p_data as data
+from model.training.g2p_data import Scores, edit_distance, g2p_tokenizer, score
 
 pytestmark = pytest.mark.needs_torch("the G2P tools are training tools")
 
@@ -53,7 +53,7 @@ def test_scores_count_any_reference_and_the_closest_edits():
 @pytest.mark.slow
 def test_a_short_training_run_writes_a_scored_servable_model(tmp_path, monkeypatch, words):
     from export.seq2seq_bundle import export_seq2seq_bundle
-    from model import train_g2p
+    from model.training import train_g2p
 
     few = dict(list(words.items())[:400])
     monkeypatch.setattr(data, "split_words", lambda _: data.Split(dict(list(few.items())[:300]),

@@ -14,9 +14,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_seq2seq_dir  # noqa: E402
-from model.export_hf import export_hf  # noqa: E402
-from model.hf_bart import Unsupported  # noqa: E402
-from model.import_hf import import_hf, main  # noqa: E402
+from model.hf.bart import Unsupported  # noqa: E402
+from model.hf.export_hf import export_hf  # noqa: E402
+from model.hf.import_hf import import_hf, main  # noqa: E402
 from tests.conftest import make_lively_seq2seq  # noqa: E402
 
 SENTENCES = ["Tomorrow, and tomorrow, and tomorrow,", "Ham.", "To be, or not to be, that is the question"]
@@ -190,7 +190,7 @@ def test_imported_bart_serves_what_transformers_computes(bart, request, tmp_path
 @pytest.mark.parametrize("tied", [True, False])
 def test_our_encoder_decoder_exports_as_bart(tmp_path, tied):
     from model.checkpoint import save_model_dir
-    from model.g2p_data import g2p_tokenizer
+    from model.training.g2p_data import g2p_tokenizer
 
     tokenizer = g2p_tokenizer()
     model = make_lively_seq2seq(tokenizer.vocab_size, activation="gelu", norm_placement="post",
@@ -220,7 +220,7 @@ def test_our_encoder_decoder_exports_as_bart(tmp_path, tied):
 
 def test_what_bart_cannot_express_is_refused(tmp_path, random_bart, capsys):
     from model.checkpoint import save_model_dir
-    from model.g2p_data import g2p_tokenizer
+    from model.training.g2p_data import g2p_tokenizer
 
     tokenizer = g2p_tokenizer()
     save_model_dir(make_lively_seq2seq(tokenizer.vocab_size, norm_placement="pre"), tokenizer, tmp_path / "pre")

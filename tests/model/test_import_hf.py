@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model_dir  # noqa: E402
 from model.generate import generate  # noqa: E402
-from model.import_hf import import_hf  # noqa: E402
+from model.hf.import_hf import import_hf  # noqa: E402
 
 
 def save_random_gpt2(path, tokenizer, safe_serialization=True, **overrides):

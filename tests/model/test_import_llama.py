@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model_dir  # noqa: E402
 from model.generate import generate  # noqa: E402
-from model.import_hf import import_hf, main  # noqa: E402
+from model.hf.import_hf import import_hf, main  # noqa: E402
 from tests.model.hf_models import FAMILIES, greedy_hf, save_random  # noqa: E402
 
 

@@ -8,9 +8,9 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from model.data import Corpus
-from model.scoring import bits_per_char
-from model.train import TrainConfig, lr_at, train
+from model.training.data import Corpus
+from model.training.scoring import bits_per_char
+from model.training.train import TrainConfig, lr_at, train
 from tests.conftest import TINY_TEXTS
 
 CORPUS = Corpus(train=TINY_TEXTS * 4, val=TINY_TEXTS[:3])
@@ -85,7 +85,7 @@ def test_best_checkpoint_is_kept(tmp_path):
 
 
 def test_muon_takes_the_block_matrices_and_adamw_the_rest():
-    from model.train import make_optimizers
+    from model.training.train import make_optimizers
     from tests.conftest import make_model
 
     model = make_model()
@@ -122,7 +122,7 @@ def test_the_llama_architecture_trains_and_its_directory_exports(tmp_path):
 
 @pytest.mark.slow
 def test_the_candidate_with_the_lower_bits_per_char_ships_with_both_figures_on_its_card(tmp_path):
-    from model.pick_default import pick
+    from model.training.pick_default import pick
 
     runs = {arch: tmp_path / arch for arch in ("gpt", "llama")}
     results = {arch: train(tiny_config(out, arch=arch, max_steps=steps), corpus=CORPUS)

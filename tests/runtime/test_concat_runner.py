@@ -138,7 +138,7 @@ def test_graph_io_that_does_not_match_the_contract(broken):
 
 
 def test_tokenizer_larger_than_the_model_vocabulary(broken):
-    from model.tokenizer import train_bpe
+    from model.training.tokenizer import train_bpe
     from service.runtime.tokenizer import Tokenizer
     from tests.conftest import TINY_TEXTS
 

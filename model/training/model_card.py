@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model.data import SDIST, VAL_PLAYS
 from model.gpt import GPT
+from model.training.data import SDIST, VAL_PLAYS
 from service.runtime.tokenizer import Tokenizer
 
 SAMPLE_PROMPT = "Rom."
@@ -40,7 +40,7 @@ LAYOUTS = {"gpt": "learned positions, LayerNorm, GELU feed-forward, multi-head a
 def write_model_card(out: Path, log: dict, model: GPT, tokenizer: Tokenizer, command: str,
                      comparison: str = "") -> None:
     """`command` is the `attnserve train` line that reproduces the run; `comparison` a section of the
-    card that compares it with the other candidates (model.pick_default)."""
+    card that compares it with the other candidates (model.training.pick_default)."""
     from model.generate import generate
 
     r, c, t = log["result"], log["model_config"], log["train_config"]

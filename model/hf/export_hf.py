@@ -1,8 +1,8 @@
 """Export an attnserve model directory as a Hugging Face directory (the inverse of `import_hf`):
 `GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` for Llama-style ones, and
-`BartForConditionalGeneration` for an encoder-decoder BART can express (`hf_bart.py`).
+`BartForConditionalGeneration` for an encoder-decoder BART can express (`bart.py`).
 
-    attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.export_hf ...
+    attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.hf.export_hf ...
 
 The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no biases make a Llama
 (grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept); learned positions,
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model import hf_bart, hf_llama
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_model_dir, load_seq2seq_dir
 from model.config import GPTConfig
-from model.import_hf import BLOCK_MAP, TOP_MAP
+from model.hf import bart, llama
+from model.hf.import_hf import BLOCK_MAP, TOP_MAP
 from model.seq2seq_config import is_seq2seq
 from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
 
@@ -43,17 +43,17 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 def architecture(config: GPTConfig) -> str:
     """"llama" or "gpt2", whichever expresses the model; ValueError naming what neither has."""
-    llama = {"rotary positions": config.pos_encoding == "rotary", "RMSNorm": config.norm == "rmsnorm",
-             "a SwiGLU MLP": config.mlp == "swiglu", "no biases": not config.bias and not config.qkv_bias}
-    gpt2 = {"learned positions": config.pos_encoding == "learned", "LayerNorm": config.norm == "layernorm",
-            "a GELU MLP": config.mlp == "gelu", "biases in every linear layer and norm": config.bias
-            and config.qkv_bias in (None, True), "one KV head per query head": config.kv_heads == config.n_head,
-            "a head tied to the token embedding": config.tie_embeddings}
-    if all(llama.values()):
+    llama_needs = {"rotary positions": config.pos_encoding == "rotary", "RMSNorm": config.norm == "rmsnorm",
+                   "a SwiGLU MLP": config.mlp == "swiglu", "no biases": not config.bias and not config.qkv_bias}
+    gpt2_needs = {"learned positions": config.pos_encoding == "learned", "LayerNorm": config.norm == "layernorm",
+                  "a GELU MLP": config.mlp == "gelu", "biases in every linear layer and norm": config.bias
+                  and config.qkv_bias in (None, True), "one KV head per query head": config.kv_heads == config.n_head,
+                  "a head tied to the token embedding": config.tie_embeddings}
+    if all(llama_needs.values()):
         return "llama"
-    if all(gpt2.values()):
+    if all(gpt2_needs.values()):
         return "gpt2"
-    family, needs = ("Llama", llama) if config.pos_encoding == "rotary" else ("GPT-2", gpt2)
+    family, needs = ("Llama", llama_needs) if config.pos_encoding == "rotary" else ("GPT-2", gpt2_needs)
     missing = ", ".join(name for name, ok in needs.items() if not ok)
     raise ValueError(f"this model is neither a GPT-2 nor a Llama: closest is {family}, which needs {missing}")
 
@@ -141,7 +141,7 @@ def gpt2_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
 
 def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our parameter names -> `LlamaForCausalLM` names: `qkv_proj` split into q, k and v (queries first,
-    then the KV heads' keys, then their values, as `hf_llama.convert_state_dict` stacks them)."""
+    then the KV heads' keys, then their values, as `llama.convert_state_dict` stacks them)."""
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["ln_f.weight"]}
     q_width, kv_width = config.d_model, config.kv_heads * config.d_head
     for i in range(config.n_layer):
@@ -149,7 +149,7 @@ def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[
         q, k, v = state[f"blocks.{i}.attn.qkv_proj.weight"].split([q_width, kv_width, kv_width])
         out |= {pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
                 pre + "self_attn.v_proj.weight": v}
-        for hf_name, ours in hf_llama.BLOCK_MAP:
+        for hf_name, ours in llama.BLOCK_MAP:
             out[pre + hf_name] = state[f"blocks.{i}.{ours}"]
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
@@ -171,15 +171,15 @@ def tokenizer_config(tokenizer: Tokenizer, config: GPTConfig) -> dict:
 
 
 def export_bart(model_dir: Path, out: Path) -> Path:
-    """An encoder-decoder model directory as `BartForConditionalGeneration` (`hf_bart` says what it needs)."""
+    """An encoder-decoder model directory as `BartForConditionalGeneration` (`bart` says what it needs)."""
     model, tokenizer = load_seq2seq_dir(model_dir)
     c = model.config
-    cfg = hf_bart.hf_config(c)
+    cfg = bart.hf_config(c)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     generation = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(hf_bart.hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(bart.hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(model_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
     if (model_dir / TOKENIZER_CONFIG_FILE).is_file():
         shutil.copyfile(model_dir / TOKENIZER_CONFIG_FILE, out / TOKENIZER_CONFIG_FILE)

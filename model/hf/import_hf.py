@@ -1,8 +1,8 @@
 """Import a local Hugging Face checkpoint into an attnserve model directory: GPT-2, the Llama family
-(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`; see `hf_llama.py`), and the
-encoder-decoder `BartForConditionalGeneration` (see `hf_bart.py`).
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`; see `llama.py`), and the
+encoder-decoder `BartForConditionalGeneration` (see `bart.py`).
 
-    attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.import_hf ...
+    attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.hf.import_hf ...
 
 The source holds `config.json`, weights as `model.safetensors`, sharded safetensors
 (`model.safetensors.index.json`), or for GPT-2 `pytorch_model.bin` (read with
@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from model import hf_bart, hf_llama
 from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.hf import bart, llama
 from model.seq2seq import EncoderDecoder
 from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
@@ -103,7 +103,7 @@ def eos_ids(src: Path, hf: dict) -> list[int]:
     eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
     eos = hf.get("eos_token_id") if eos is None else eos
     if eos is None:
-        raise hf_llama.Unsupported("neither generation_config.json nor config.json names an eos_token_id")
+        raise llama.Unsupported("neither generation_config.json nor config.json names an eos_token_id")
     return [eos] if isinstance(eos, int) else list(eos)
 
 
@@ -146,22 +146,22 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
         raise FileNotFoundError(f"{config_path} not found")
     hf = json.loads(config_path.read_text())
     architecture = (hf.get("architectures") or ["GPT2LMHeadModel"])[0]
-    if architecture in hf_llama.ARCHITECTURES:
-        config = hf_llama.config_from_hf(hf, hf_llama.ARCHITECTURES[architecture], eos_ids(src, hf))
-        state = hf_llama.convert_state_dict(read_hf_weights(src), config)
+    if architecture in llama.ARCHITECTURES:
+        config = llama.config_from_hf(hf, llama.ARCHITECTURES[architecture], eos_ids(src, hf))
+        state = llama.convert_state_dict(read_hf_weights(src), config)
         if not (src / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{src} has no tokenizer.json (a SentencePiece tokenizer.model alone is not "
                                     "read; save the tokenizer with transformers to get one)")
         tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
-    elif architecture == hf_bart.ARCHITECTURE:
+    elif architecture == bart.ARCHITECTURE:
         return import_bart(src, hf, out)
     elif architecture in ("GPT2LMHeadModel", "GPT2Model"):
         config = config_from_hf(hf)
         state = convert_state_dict(read_hf_weights(src), config)
         tokenizer = read_hf_tokenizer(src, config.eos_token_id)
     else:
-        supported = ", ".join(["GPT2LMHeadModel", *hf_llama.ARCHITECTURES, hf_bart.ARCHITECTURE])
-        raise hf_llama.Unsupported(f"architecture {architecture} is not supported (supported: {supported})")
+        supported = ", ".join(["GPT2LMHeadModel", *llama.ARCHITECTURES, bart.ARCHITECTURE])
+        raise llama.Unsupported(f"architecture {architecture} is not supported (supported: {supported})")
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{architecture}"})
@@ -174,7 +174,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
 def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
     """A BART checkpoint -> an encoder-decoder model directory (byte-level BPE tokenizer.json required)."""
     hf_state = read_hf_weights(src)
-    config = hf_bart.config_from_hf(hf, hf_state)
+    config = bart.config_from_hf(hf, hf_state)
     gen = src / "generation_config.json"
     if gen.is_file():  # the ids generation uses, where they differ from config.json's
         ids = json.loads(gen.read_text())
@@ -185,8 +185,8 @@ def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
         raise FileNotFoundError(f"{src} has no tokenizer.json (save the tokenizer with transformers to get one)")
     tokenizer = Tokenizer(HFTokenizer.from_file(str(src / "tokenizer.json")), config.eos_token_id)
     model = EncoderDecoder(config)
-    model.load_state_dict(hf_bart.convert_state_dict(hf_state, config), strict=True)
-    out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{hf_bart.ARCHITECTURE}"})
+    model.load_state_dict(bart.convert_state_dict(hf_state, config), strict=True)
+    out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{bart.ARCHITECTURE}"})
     for name in TOKENIZER_EXTRAS:
         if (src / name).is_file():
             (out / name).write_bytes((src / name).read_bytes())

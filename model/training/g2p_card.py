@@ -17,7 +17,7 @@ ANCHORS = (
 
 def write_g2p_card(out: Path, log: dict, command: str) -> None:
     from model.checkpoint import load_seq2seq_dir
-    from model.train_g2p import transcribe
+    from model.training.train_g2p import transcribe
 
     r, c, t, split = log["result"], log["model_config"], log["train_config"], log["split"]
     model, tokenizer = load_seq2seq_dir(out)

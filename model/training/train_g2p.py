@@ -1,6 +1,6 @@
 """Train the grapheme-to-phoneme model: an encoder-decoder Transformer on the CMU Pronouncing Dictionary.
 
-    attnserve train-g2p --out models/g2p-cmudict       # or: python -m model.train_g2p --out ...
+    attnserve train-g2p --out models/g2p-cmudict       # or: python -m model.training.train_g2p --out ...
 
 Sources are a word's letters, targets its ARPAbet phonemes (`g2p_data`). Every pronunciation of a
 training word is an example. AdamW (β2 = 0.98, as in the paper) with linear warmup and cosine decay,
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from model import g2p_data as data
 from model.checkpoint import load_seq2seq_dir, save_model_dir
-from model.config_cli import command_line, parser_for
-from model.g2p_data import EOS, PAD, PHONEMES, START, Pronunciation, Scores
 from model.seq2seq import EncoderDecoder
 from model.seq2seq_config import Seq2SeqConfig
-from model.train import cpu_has_bf16, optimizer_step
+from model.training import g2p_data as data
+from model.training.config_cli import command_line, parser_for
+from model.training.g2p_data import EOS, PAD, PHONEMES, START, Pronunciation, Scores
+from model.training.train import cpu_has_bf16, optimizer_step
 from service.runtime.cpu import cpu_info
 from service.runtime.tokenizer import Tokenizer
 
@@ -238,7 +238,7 @@ def train(cfg: G2PTrainConfig) -> dict:
 
 def finish(cfg: G2PTrainConfig, out: Path, split, history: list[dict], wall_s: float, steps: int) -> dict:
     """Score the kept checkpoint on the test words; write the log and the model card."""
-    from model.g2p_card import write_g2p_card
+    from model.training.g2p_card import write_g2p_card
 
     model, tokenizer = load_seq2seq_dir(out)
     test = evaluate(model, tokenizer, split.test)

@@ -1,6 +1,6 @@
 """Train the default model: byte-level BPE + GPT on the Shakespeare corpus, on CPU.
 
-    attnserve train --out models/shakespeare          # or: python -m model.train --out ...
+    attnserve train --out models/shakespeare          # or: python -m model.training.train --out ...
 
 AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast where the CPU has
 native bf16 matmuls. Validation (on the held-out plays of `data.VAL_PLAYS`) runs every
@@ -28,11 +28,11 @@ from tqdm import tqdm
 
 from model.checkpoint import TOKENIZER_FILE, load_weights, save_model_dir, weights_for_saving
 from model.config import GPTConfig
-from model.config_cli import command_line, parser_for
-from model.data import VAL_PLAYS, Corpus, load_corpus
 from model.gpt import GPT
-from model.scoring import bits_per_char, encode_documents, eval_batches
-from model.tokenizer import train_bpe
+from model.training.config_cli import command_line, parser_for
+from model.training.data import VAL_PLAYS, Corpus, load_corpus
+from model.training.scoring import bits_per_char, encode_documents, eval_batches
+from model.training.tokenizer import train_bpe
 from service.runtime.cpu import cpu_info
 from service.runtime.tokenizer import Tokenizer
 
@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
 def finish(cfg, out, tokenizer, corpus, val_ids, history, wall_s, bf16) -> dict:
     """Score the best checkpoint on the whole validation set; write the log, plot and model card."""
     from model.checkpoint import load_model_dir
-    from model.model_card import plot_loss_curve, write_model_card
+    from model.training.model_card import plot_loss_curve, write_model_card
 
     model, _ = load_model_dir(out)
     val_nats = evaluate(model, val_ids, cfg.n_ctx, None, bf16=False)  # fp32, every window

@@ -3,7 +3,7 @@ bits/char, its card carrying every candidate's figures and the commands that rep
 
     attnserve train --arch gpt --max-steps 3300 --out runs/shakespeare-gpt
     attnserve train --arch llama --max-steps 3900 --out runs/shakespeare-llama
-    python -m model.pick_default runs/shakespeare-gpt runs/shakespeare-llama --out models/shakespeare
+    python -m model.training.pick_default runs/shakespeare-gpt runs/shakespeare-llama --out models/shakespeare
 
 Each candidate is a model directory `attnserve train` wrote (its `training_log.json` holds the settings
 and the result). The winner's files are copied into `--out`, and its card is written again with the
@@ -19,8 +19,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
-from model.model_card import write_model_card
-from model.train import TrainConfig, training_command
+from model.training.model_card import write_model_card
+from model.training.train import TrainConfig, training_command
 
 COPIED = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, "training_log.json", "loss_curve.png")
 
@@ -68,7 +68,7 @@ def pick(candidates: list[Path], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.pick_default", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m model.training.pick_default", description=__doc__.split("\n\n")[0])
     p.add_argument("candidates", nargs="+", type=Path, help="model directories written by attnserve train")
     p.add_argument("--out", type=Path, default=Path("models/shakespeare"), help="where the default model goes")
     args = p.parse_args(argv)
