@@ -59,15 +59,12 @@ def throughput(engine: Engine, concurrency: int, prompt_tokens: int, new_tokens:
     rng = np.random.default_rng(seed)
     vocab = engine.model.vocab_size
     start = time.perf_counter()
-    for i in range(concurrency):
-        prompt = rng.integers(1, vocab, prompt_tokens).tolist()
-        req = GenerationRequest(f"b{seed}-{i}", prompt, SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
-        engine.add(engine.new_request(req))
-    generated = 0
-    while engine.has_work:
-        generated += sum(1 for _, item in engine.step() if item is not None)
+    done = engine.generate([GenerationRequest(f"b{seed}-{i}", rng.integers(1, vocab, prompt_tokens).tolist(),
+                                              SamplingParams(temperature=0.0),
+                                              StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+                            for i in range(concurrency)])
     elapsed = time.perf_counter() - start
+    generated = sum(len(result.events) for result in done)
     assert generated == concurrency * new_tokens, (generated, concurrency * new_tokens)
     return generated / elapsed
 

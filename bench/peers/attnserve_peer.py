@@ -66,12 +66,10 @@ def engine_run(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> t
             first.setdefault(state.id, now - start)
             ids[state.id].append(item.token_id)
 
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add(engine.new_request(GenerationRequest(
-            rid, list(prompt), SamplingParams(temperature=0.0),
-            StoppingCriteria(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True))))
-    while engine.has_work:
-        take(engine.step(emit=take))
+    engine.generate([GenerationRequest(rid, list(prompt), SamplingParams(temperature=0.0),
+                                       StoppingCriteria(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                        ignore_eos=True))
+                     for rid, prompt in zip(ids, prompts, strict=True)], on_outputs=take)
     elapsed = time.perf_counter() - start
     return list(ids.values()), elapsed, [first[rid] for rid in ids]
 

@@ -31,16 +31,13 @@ def limits(spec: dict) -> dict:
 def engine_run(engine, sources: list[list[int]], max_new: int) -> list[list[int]]:
     from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 
-    ids = {f"s{i}": [] for i in range(len(sources))}
-    for rid, src in zip(ids, sources, strict=True):
-        engine.add(engine.new_request(GenerationRequest(rid, list(src), SamplingParams(temperature=0.0),
-                                                        StoppingCriteria(max_new_tokens=max_new))))
-    while engine.has_work:
-        for state, item in engine.step():
-            if not hasattr(item, "token_id"):
-                raise RuntimeError(f"request {state.id} failed: {item}")
-            ids[state.id].append(item.token_id)
-    return list(ids.values())
+    done = engine.generate([GenerationRequest(f"s{i}", list(src), SamplingParams(temperature=0.0),
+                                              StoppingCriteria(max_new_tokens=max_new))
+                            for i, src in enumerate(sources)])
+    for result in done:
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+    return [result.token_ids() for result in done]
 
 
 def in_process(bundle: Path, spec: dict) -> tuple[dict, dict]:

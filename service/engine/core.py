@@ -5,10 +5,11 @@ the step that completes them). One thread owns it: `service.engine.async_engine`
 a loop and feeds it requests; tests and benchmarks may drive it directly.
 
     engine = Engine(EngineConfig(bundle=...))
-    engine.add(engine.new_request(GenerationRequest("r1", prompt_ids)))
-    while engine.has_work:
-        for state, item in engine.step():   # item: a TokenEvent, or an EngineError for that request
-            ...
+    [done] = engine.generate([GenerationRequest("r1", prompt_ids)])   # run to the end: done.token_ids()
+
+    engine.add(engine.new_request(GenerationRequest("r2", prompt_ids)))   # or step by step
+    for state, item in engine.step():   # item: a TokenEvent, or an EngineError for that request
+        ...
 
 A sequence's KV slot is released in the step in which it finishes, is aborted or expires. When a
 model call raises, only the requests whose work was in that call fail (`ModelError`): a batch of
@@ -25,21 +26,21 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine.cache_plan import plan_caches
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
-from service.engine.kv_cache import KVCache, plan_slots
-from service.engine.prefix_cache import PrefixCache
-from service.engine.request import EngineLimits, FinishReason, GenerationRequest, TokenEvent
+from service.engine.kv_cache import KVCache
+from service.engine.request import EngineLimits, FinishReason, Generated, GenerationRequest, TokenEvent
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
 from service.runtime.graph_choice import open_serving_graph
-from service.runtime.static_runner import CacheShape, StaticRunner
+from service.runtime.static_runner import StaticRunner
 
 log = logging.getLogger(__name__)
 
@@ -62,30 +63,6 @@ class EngineStats:
     prefix_queried_tokens: int  # prompt tokens of admitted requests looked up in the prefix cache, since start
     prefix_hit_tokens: int  # of those, found there (their keys and values copied, not computed)
     prefix_cache_bytes: int  # memory of the prefix cache, allocated once (0 when it is off)
-
-
-PREFIX_BLOCK_TOKENS = 16
-DEFAULT_PREFIX_CONTEXTS = 4  # the prefix cache holds this many full contexts unless told otherwise
-
-
-def plan_prefix_cache(shape: CacheShape, config: EngineConfig) -> PrefixCache | None:
-    """The prefix cache the config asks for (None when it is off or holds less than one block)."""
-    if not config.prefix_caching:
-        return None
-    tokens = config.prefix_cache_tokens
-    if tokens is None:
-        tokens = DEFAULT_PREFIX_CONTEXTS * shape.max_seq
-    n_blocks = tokens // PREFIX_BLOCK_TOKENS
-    return PrefixCache(shape, n_blocks, PREFIX_BLOCK_TOKENS) if n_blocks else None
-
-
-def served_context(config: EngineConfig, n_ctx: int) -> int:
-    """The positions each sequence may use: `config.max_context`, at most the model's `n_ctx`."""
-    if config.max_context is None:
-        return n_ctx
-    if config.max_context > n_ctx:
-        raise ValueError(f"max_context={config.max_context} exceeds the model context of {n_ctx} positions")
-    return config.max_context
 
 
 @dataclass
@@ -114,19 +91,12 @@ class Engine:
         # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
-        self.context = served_context(config, m.n_ctx)  # positions per sequence, prompt + completion
-        # an encoder-decoder's prompt is its source, encoded apart: its context is the target's
-        self.encoder_decoder = m.encoder_decoder
-        shape = replace(self.runner.cache_shape, max_seq=self.context)
-        self.prefixes = None if self.encoder_decoder else plan_prefix_cache(shape, config)
-        budget = config.kv_cache_bytes
-        if budget is not None and self.prefixes is not None:
-            if self.prefixes.nbytes >= budget:
-                raise ValueError(f"the prefix cache ({self.prefixes.nbytes} bytes) leaves no room for a sequence in "
-                                 f"kv_cache_bytes={budget}: lower prefix_cache_tokens or raise the budget")
-            budget -= self.prefixes.nbytes
-        n_slots = plan_slots(shape, config.max_running, budget, self.runner.slot_state_bytes())
-        self.kv = KVCache(shape, n_slots, self.runner.slot_state(n_slots))
+        plan = plan_caches(config, self.runner)
+        self.context = plan.context  # positions per sequence, prompt + completion
+        self.encoder_decoder = m.encoder_decoder  # its prompt is a source, encoded apart
+        self.prefixes = plan.prefixes
+        n_slots = plan.n_slots
+        self.kv = KVCache(plan.shape, n_slots, self.runner.slot_state(n_slots))
         self.runner.attach(self.kv.buffers, self.kv.slot_state)
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes,
                                    encoder_decoder=self.encoder_decoder)
@@ -223,6 +193,32 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
+
+    def generate(self, requests: Iterable[GenerationRequest] = (),
+                 on_outputs: Callable[[list[Output]], None] | None = None) -> list[Generated]:
+        """Run `requests`, and whatever else was queued, to the end on this thread (benchmarks, tests and
+        offline use; `AsyncEngine` drives a server's engine), deadlines included. Returns each of
+        `requests` in the order given. `on_outputs` sees every output as it comes, a new prompt's
+        first token before the decode rows of its step run."""
+        results = {}
+        for request in requests:
+            self.add(self.new_request(request))
+            results[request.request_id] = Generated(request.request_id)
+
+        def take(outputs: list[Output]) -> None:
+            for state, item in outputs:
+                if state.id in results:
+                    if isinstance(item, TokenEvent):
+                        results[state.id].events.append(item)
+                    else:
+                        results[state.id].error = item
+            if on_outputs is not None:
+                on_outputs(outputs)
+
+        while self.has_work:
+            take(self.expire())
+            take(self.step(emit=take))
+        return list(results.values())
 
     # ---- the step ------------------------------------------------------------------------------
 

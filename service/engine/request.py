@@ -16,7 +16,7 @@ import annotated_types
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
-from service.engine.errors import InvalidRequest
+from service.engine.errors import EngineError, InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -246,3 +246,16 @@ class TokenEvent:
     text: str  # newly decoded text; may be empty while a character or a stop string is incomplete
     finish_reason: FinishReason | None = None  # set on the sequence's last event
     time: float = 0.0  # time.monotonic() of the step that produced it
+
+
+@dataclass
+class Generated:
+    """A request run to its end by `Engine.generate`: its events in order, or the error that ended it."""
+
+    request_id: str
+    events: list[TokenEvent] = field(default_factory=list)
+    error: EngineError | None = None
+
+    def token_ids(self, index: int = 0) -> list[int]:
+        """The token ids of the request's sequence `index`."""
+        return [e.token_id for e in self.events if e.index == index]

@@ -70,8 +70,15 @@ class Run:
 
 def drive(engine: Engine, requests: Iterable[GenerationRequest] = (), arrivals: dict[int, list] | None = None,
           before_step: Callable[[Engine, int, Run], None] | None = None, max_steps: int = 5000) -> Run:
-    """Add `requests` now and `arrivals[step]` before that step; step until the engine is idle."""
+    """Add `requests` now and `arrivals[step]` before that step; step until the engine is idle. Without
+    arrivals or a hook, this is `Engine.generate`."""
     run = Run()
+    if not arrivals and before_step is None:
+        start = engine.steps
+        engine.generate(requests, on_outputs=run.collect)
+        run.steps = engine.steps - start
+        check_idle(engine)
+        return run
     for r in requests:
         engine.add(engine.new_request(r))
     arrivals = dict(arrivals or {})

@@ -53,8 +53,7 @@ def test_abort_mid_generation_frees_slots_and_leaves_the_others_unchanged(make_e
     assert engine.abort("b") == []  # already gone: nothing more to report
     assert engine.abort("nobody") == []
     run.collect(out)
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
 
     assert isinstance(run.errors["b"], Cancelled) and set(run.errors) == {"b"}
@@ -77,8 +76,7 @@ def test_abort_a_waiting_request(make_engine):
     out = engine.abort("c")
     assert [(s.id, type(e)) for s, e in out] == [("c", Cancelled)]
     assert "c" not in [s.id for s in engine.scheduler.waiting] and engine.stats().waiting_requests == len(waiting_ids) - 1
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
     assert ("c", 0) not in run.events
     want = drive(make_engine(max_running=2, max_batch_tokens=64), [r for r in workload() if r.request_id != "c"])
@@ -148,8 +146,7 @@ def test_deadline_expires_a_running_request_and_frees_its_slots(make_engine):
     assert [(s.id, type(e)) for s, e in out] == [("b", DeadlineExceeded)]
     assert "running" in str(out[0][1])
     assert engine.kv.free_slots == free + 2 and slots_of(engine, "b") == 0
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
     want = drive(make_engine(), [r for r in workload() if r.request_id != "b"])
     for rid in "acd":
@@ -209,8 +206,7 @@ def test_model_fault_fails_that_step_only(make_engine):
     assert "injected fault" in str(run.errors["a"])
     assert engine.kv.used == 0 and engine.kv.reserved == 0  # freed in the failing step
     assert [s.id for s in engine.scheduler.waiting] == ["c", "d"]
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
     engine.add(engine.new_request(greedy("e", [9, 8, 7, 6], 12)))
     after = drive(engine)
@@ -269,3 +265,18 @@ def test_a_prompt_whose_prefill_raises_fails_alone_while_eight_streams_decode(ma
         alone = run_alone(make_engine, r, max_running=10, max_batch_tokens=128)
         assert run.tokens(r.request_id) == alone.tokens(r.request_id), r.request_id
         assert run.finish(r.request_id) == alone.finish(r.request_id)
+
+
+def test_generate_runs_requests_to_the_end_and_returns_them_in_order(make_engine):
+    engine = make_engine()
+    late = greedy("late", [1, 2, 3], 4)
+    late.deadline = time.monotonic() - 1
+    seen = []
+    done = engine.generate([greedy("a", [1, 2, 3], 5, ignore_eos=True), late, greedy("b", [4, 5], 3, ignore_eos=True)],
+                           on_outputs=seen.extend)
+    assert [d.request_id for d in done] == ["a", "late", "b"]
+    assert len(done[0].token_ids()) == 5 and len(done[2].token_ids()) == 3 and done[0].error is None
+    assert isinstance(done[1].error, DeadlineExceeded) and not done[1].events
+    assert len(seen) == 5 + 3 + 1  # every output, the error included
+    assert done[0].token_ids() == drive(make_engine(), [greedy("a", [1, 2, 3], 5, ignore_eos=True)]).tokens("a")
+    check_idle(engine)

@@ -251,8 +251,7 @@ def test_n_siblings_share_one_prefill_and_copy_its_cache(make_engine):
     assert alone == run_alone(make_engine, greedy("fam", prompt, 12, ignore_eos=True)).tokens("fam")
     run = Run()
     engine.add(engine.new_request(greedy_n("fam", prompt, 12, 3)))
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
     assert sum(prefilled) == 2 * len(prompt)  # once for the n=1 run, once for the n=3 request
     forks = [c for c in copies if c[2] == len(prompt)]

@@ -135,7 +135,6 @@ def test_a_deadline_ends_a_running_request_and_frees_its_slots(make_s2s):
     out = engine.expire(now=soon + 1)
     assert [(s.id, type(e)) for s, e in out] == [("late", DeadlineExceeded)]
     assert engine.kv.free_slots == free + 2
-    while engine.has_work:
-        run.collect(engine.step())
+    engine.generate(on_outputs=run.collect)
     check_idle(engine)
     assert run.tokens("keep") == want
