@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("service.server", "serve an ONNX bundle over gRPC (health, reflection, metrics; no torch)"),
+    "serve": ("service.server", "serve an ONNX bundle over gRPC and OpenAI's HTTP API (health, metrics; no torch)"),
     "train": ("model.training.train", "train the default model on the Shakespeare corpus"),
     "train-g2p": ("model.training.train_g2p",
                   "train the grapheme-to-phoneme encoder-decoder on the CMU Pronouncing Dictionary"),

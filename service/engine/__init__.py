@@ -1,11 +1,13 @@
 """The engine: continuous batching over a fixed KV cache, in token ids. No grpc, no HTTP, no torch.
 
-    core.py          Engine.step(): schedule -> run the model -> sample -> update and emit
+    core.py          Engine.step(): schedule -> run the model -> sample -> update and emit; Engine.generate()
     async_engine.py  the engine on its own thread, behind an asyncio API (AsyncEngine, RequestStream)
     request.py       what goes in and comes out: GenerationRequest and its parameters, TokenEvent
     sequence.py      per-request and per-sequence state (the engine thread's alone)
     scheduler.py     who runs in the next step, under the token budget; owns the KV slots' bookkeeping
     kv_cache.py      the KV cache: fixed slots, allocated once, kept dense
+    prefix_cache.py  keys and values of prompt prefixes, in blocks, for later prompts that share them
+    cache_plan.py    the positions per sequence, the prefix cache and the slots the budget holds
     sampler.py       logits -> next tokens for a whole batch, per-row parameters and RNG
     detokenizer.py   token ids -> text deltas, with stop strings
     errors.py        what the engine reports to a caller

@@ -1,4 +1,4 @@
-"""Domain errors. The gRPC layer maps each to one status code, in one place."""
+"""Domain errors. Each front maps each to its protocol's status in one place (`service.fronts.status`)."""
 
 from __future__ import annotations
 

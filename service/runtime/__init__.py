@@ -5,6 +5,8 @@
     session.py        a bundle graph in an onnxruntime session, checked against the contract
     static_runner.py  the serving runner: the static-cache graph, bound once to the engine's KV cache
     concat_runner.py  the reference runner: the concat-cache graph as a step function (export checks, benchmarks)
+    seq2seq_runner.py the encoder-decoder's runner: the encoder once per source, then the decoder's static cache
+    chat_template.py  the model's chat template: messages -> prompt text, as transformers renders it
     graph_choice.py   which graph to serve on this CPU (`--graph auto`)
     self_check.py     a graph against the fp32 graph, and for batch invariance, before serving
     cpu.py            this CPU's model, cores and instruction-set flags
