@@ -7,6 +7,7 @@ including those inside functions):
 - export/ and model/ use from service/ only the runtime (the bundle format, the tokenizer, the runners);
 - the network (the modules at the top of model/) imports neither training (model/training/) nor Hugging Face
   conversion (model/hf/), and export/ builds on the network alone;
+- no two modules of model/ import each other, directly or through others;
 - no test outside tests/bench imports bench/.
 """
 
@@ -79,6 +80,35 @@ def test_the_network_imports_neither_training_nor_hugging_face_conversion():
 
 def test_export_builds_on_the_network_alone():
     assert offences(sources("export"), ("model.training", "model.hf")) == []
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_no_import_cycle_in_model():
+    files = {module_name(p): p for p in sources("model")}
+    graph = {}
+    for name, path in files.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                graph[name].update(alias.name for alias in node.names if alias.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from model.training import g2p_data` imports the module model.training.g2p_data
+                graph[name].update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                                   for a in node.names if node.module in files or f"{node.module}.{a.name}" in files)
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(graph[name])
+        return seen
+
+    assert sorted(name for name in graph if name in reachable(name)) == []
 
 
 def test_no_test_outside_tests_bench_imports_bench():

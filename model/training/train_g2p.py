@@ -28,7 +28,9 @@ from model.seq2seq import EncoderDecoder
 from model.seq2seq_config import Seq2SeqConfig
 from model.training import g2p_data as data
 from model.training.config_cli import command_line, parser_for
-from model.training.g2p_data import EOS, PAD, PHONEMES, START, Pronunciation, Scores
+from model.training.g2p_card import write_g2p_card
+from model.training.g2p_data import EOS, PAD, START, Pronunciation
+from model.training.g2p_decode import evaluate, pad
 from model.training.train import cpu_has_bf16, optimizer_step
 from service.runtime.cpu import cpu_info
 from service.runtime.tokenizer import Tokenizer
@@ -67,17 +69,8 @@ class G2PTrainConfig:
 # ---- data ------------------------------------------------------------------------------------------
 
 
-def encode_words(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
-    return [tokenizer.encode(w) for w in words]
-
-
 def phoneme_ids(tokenizer: Tokenizer, pron: Pronunciation) -> list[int]:
     return [tokenizer.hf.token_to_id(p) for p in pron]
-
-
-def pad(rows: list[list[int]], value: int) -> torch.Tensor:
-    width = max(map(len, rows))
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 @dataclass
@@ -112,29 +105,6 @@ class Examples:
         before = tgt_out[:, :-1]
         tgt_in = torch.cat([torch.full((len(index), 1), start), before.masked_fill(before < 0, pad_id)], dim=1)
         return src, (src != pad_id).long(), tgt_in, tgt_out
-
-
-# ---- decoding and scoring ----------------------------------------------------------------------------
-
-
-def transcribe(model: EncoderDecoder, tokenizer: Tokenizer, words: list[str], batch_size: int = 512
-               ) -> dict[str, Pronunciation]:
-    """Greedy phonemes of each word (tokens after EOS, and non-phoneme tokens, dropped)."""
-    pad_id = model.config.pad_token_id
-    out: dict[str, Pronunciation] = {}
-    order = sorted(range(len(words)), key=lambda i: len(words[i]))  # similar lengths batch with little padding
-    model.eval()
-    for at in range(0, len(order), batch_size):
-        chunk = [words[i] for i in order[at:at + batch_size]]
-        src = pad(encode_words(tokenizer, chunk), pad_id)
-        for word, ids in zip(chunk, model.generate(src, (src != pad_id).long()), strict=True):
-            tokens = [tokenizer.hf.id_to_token(i) for i in ids if i != model.config.eos_token_id]
-            out[word] = tuple(t for t in tokens if t in PHONEMES)
-    return out
-
-
-def evaluate(model: EncoderDecoder, tokenizer: Tokenizer, words: dict[str, list[Pronunciation]]) -> Scores:
-    return data.score(transcribe(model, tokenizer, list(words)), words)
 
 
 # ---- training ----------------------------------------------------------------------------------------
@@ -238,8 +208,6 @@ def train(cfg: G2PTrainConfig) -> dict:
 
 def finish(cfg: G2PTrainConfig, out: Path, split, history: list[dict], wall_s: float, steps: int) -> dict:
     """Score the kept checkpoint on the test words; write the log and the model card."""
-    from model.training.g2p_card import write_g2p_card
-
     model, tokenizer = load_seq2seq_dir(out)
     test = evaluate(model, tokenizer, split.test)
     result = {"test_words": test.words, "test_wer": test.wer, "test_per": test.per,
