@@ -5,6 +5,7 @@
     seq2seq.py         the encoder-decoder Transformer of "Attention Is All You Need" (and BART)
     config.py          `GPTConfig`: the hyperparameters that fix a decoder's shape
     seq2seq_config.py  `Seq2SeqConfig`: the same for an encoder-decoder
+    json_config.py     what both configs share: `config.json` out and in, unknown fields refused
     norm.py            LayerNorm or RMSNorm
     rotary.py          rotary position embeddings (RoPE)
     kv_cache.py        `BatchKVCache`: the explicit, preallocated key/value cache

@@ -10,14 +10,14 @@ onto them.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
+
+from model.json_config import JsonConfig
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(JsonConfig):
     vocab_size: int = 4096  # number of token ids the embedding and the output head cover
     n_ctx: int = 256  # longest sequence (prompt + generated) the model attends over
     n_layer: int = 4  # number of Transformer blocks
@@ -66,21 +66,3 @@ class GPTConfig:
     @property
     def ff_width(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GPTConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields: {unknown}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> GPTConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))

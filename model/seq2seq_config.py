@@ -11,15 +11,17 @@ embedding, embeddings scaled by √d_model (the paper) or not (BART), a norm aft
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from model.json_config import JsonConfig
 
 KIND = "encoder-decoder"
 
 
 @dataclass
-class Seq2SeqConfig:
+class Seq2SeqConfig(JsonConfig):
     vocab_size: int = 128  # token ids of both sides: one vocabulary, so ids mean the same in source and target
     n_src_ctx: int = 64  # longest source sequence the encoder reads
     n_tgt_ctx: int = 64  # longest target sequence, the decoder start token included
@@ -66,23 +68,6 @@ class Seq2SeqConfig:
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Seq2SeqConfig:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown Seq2SeqConfig fields: {unknown}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Seq2SeqConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def is_seq2seq(config_path: str | Path) -> bool:

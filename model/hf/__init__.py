@@ -4,4 +4,5 @@
     export_hf.py  `attnserve export-hf`: a model directory as GPT-2, Llama or BART
     llama.py      the Llama family (Llama, Qwen2, Mistral): config and parameter names
     bart.py       `BartForConditionalGeneration` <-> our `EncoderDecoder`, both ways
+    cli.py        the command line both conversions share
 """

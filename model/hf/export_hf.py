@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_model_dir, load_seq2seq_dir
 from model.config import GPTConfig
 from model.hf import bart, llama
+from model.hf.cli import conversion_parser, run_conversion
 from model.hf.import_hf import BLOCK_MAP, TOP_MAP
 from model.seq2seq_config import is_seq2seq
 from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
@@ -219,21 +220,19 @@ def export_hf(model_dir: str | Path, out: str | Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve export-hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir", help="attnserve model directory (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("-o", "--out", required=True, help="Hugging Face directory to write")
-    return p
+    return conversion_parser("attnserve export-hf", __doc__.split("\n\n")[0], "model_dir",
+                             "attnserve model directory (config.json, model.safetensors, tokenizer.json)",
+                             "Hugging Face directory to write")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        out = export_hf(args.model_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
+
+    def refused(e: Exception) -> int:
         print(f"attnserve export-hf: {e}")
         return 1
-    print(f"wrote {out}")
-    return 0
+
+    return run_conversion(lambda: export_hf(args.model_dir, args.out), (FileNotFoundError, ValueError), refused)
 
 
 if __name__ == "__main__":

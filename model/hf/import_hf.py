@@ -33,6 +33,7 @@ from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.hf import bart, llama
+from model.hf.cli import conversion_parser, run_conversion
 from model.seq2seq import EncoderDecoder
 from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
@@ -194,22 +195,20 @@ def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve import-hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, BART)")
-    p.add_argument("-o", "--out", required=True, help="attnserve model directory to write")
-    return p
+    return conversion_parser("attnserve import-hf", __doc__.split("\n\n")[0], "src",
+                             "local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, BART)",
+                             "attnserve model directory to write")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        out = import_hf(args.src, args.out)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+
+    def refused(e: Exception) -> int:
         what = f"missing config key {e}" if isinstance(e, KeyError) else str(e)
         print(f"attnserve import-hf: {args.src}: {what}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
-    return 0
+
+    return run_conversion(lambda: import_hf(args.src, args.out), (ValueError, FileNotFoundError, KeyError), refused)
 
 
 if __name__ == "__main__":
