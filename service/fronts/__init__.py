@@ -2,7 +2,10 @@
 
     grpc/            the gRPC front: servicer, protobuf conversion, TLS and token interceptor
     http/            the HTTP front: OpenAI's API on Starlette and uvicorn, in the same event loop
-    front_state.py   the engine both fronts submit to, admission, the drain, streaming cadence, per-call metrics
+    front_state.py   the engine both fronts submit to, admission, the drain, streaming cadence
+    generation.py    one generation's engine streams, submitted together and freed however the call ends
+    call.py          one call's request id, metrics and closing log line
+    token_texts.py   each token's text for logprobs, as gRPC and as OpenAI name it
     validation.py    one statement of every request field's range, used by every front
     auth.py          the bearer token check and PEM reading
     status.py        engine errors -> each protocol's status codes, the one table

@@ -1,10 +1,10 @@
 """What the fronts share at run time: the one engine, whether it takes work, the requests in flight
-(for the drain), the streaming cadence, the retry-after hint, and each call's metrics.
+(for the drain), the streaming cadence and the retry-after hint. (Each call's metrics: `call.py`.)
 
     state = FrontState(settings, metrics)      # one per process; every front holds it
     state.attach(engine)                        # once the model is warm: fronts start accepting
     engine = state.admit()                      # NotReady while loading, EngineStopped once draining
-    with state.in_flight(): ...                 # a generation in progress (the drain waits for these)
+    state.in_flight_enter() ... state.in_flight_leave()   # a generation in progress (`Generation` does it)
 
 One engine, one queue, one set of limits: a request over gRPC and one over HTTP are admitted by the
 same `AsyncEngine.submit`, counted in the same `active`, and drained together.
@@ -13,19 +13,17 @@ same `AsyncEngine.submit`, counted in the same `active`, and drained together.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
 
-from service import logs
 from service.engine.async_engine import AsyncEngine, RequestStream
 from service.engine.errors import EngineStopped, NotReady
 from service.engine.request import TokenEvent
 from service.fronts.generation_defaults import sampling_defaults
 from service.fronts.metrics import Metrics
-from service.fronts.validation import AcceptedRequest, ModelFacts
-from service.runtime.tokenizer import Tokenizer
+from service.fronts.token_texts import TokenTexts
+from service.fronts.validation import ModelFacts
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
@@ -33,20 +31,6 @@ log = logging.getLogger("attnserve.server")
 COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
 STREAM_FANOUT = 8  # adaptive streaming: about this many stream messages per model step in all
 MAX_TOKENS_PER_MESSAGE = 16
-
-
-class TokenTexts:
-    """Each token's own text (for logprobs), decoded once."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
 
 
 class FrontState:
@@ -96,14 +80,6 @@ class FrontState:
                 else NotReady("the model is still loading; retry shortly")
         return self.engine
 
-    @contextlib.contextmanager
-    def in_flight(self):
-        self.in_flight_enter()
-        try:
-            yield
-        finally:
-            self.in_flight_leave()
-
     def in_flight_enter(self) -> None:
         self.active += 1
         self.idle.clear()
@@ -136,54 +112,3 @@ class FrontState:
             return 1000
         rate = recent / COMPLETION_WINDOW_S
         return int(min(30_000, max(100, 1000 * (self.engine.stats().waiting_requests + 1) / rate)))
-
-
-class Call:
-    """One call in progress, on any front: its request id (in every log line), latency metrics, and
-    the count of calls by protocol, method and outcome."""
-
-    def __init__(self, state: FrontState, protocol: str, method: str):
-        self.state, self.protocol, self.method = state, protocol, method
-        self.metrics = state.metrics
-        self.admitted: AcceptedRequest | None = None  # its (first) request, once the engine took it
-        self.streams: list[RequestStream] = []
-        self.tokens = 0
-        self.prompt_tokens = 0
-        self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
-        self._started: set[int] = set()  # streams whose first token was observed
-
-    def accepted(self, accepted: AcceptedRequest, stream: RequestStream) -> None:
-        self.admitted = accepted
-        self.streams.append(stream)
-        logs.request_id.set(accepted.request_id)
-        self.prompt_tokens += len(accepted.request.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
-
-    def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
-        stream = stream or self.streams[0]
-        key = id(stream)
-        if events and key not in self._started:
-            self._started.add(key)
-            t = stream.timing
-            self.metrics.time_to_first_token.observe(t.first_token_at - t.arrival)
-            self.metrics.queue_duration.observe((t.scheduled_at or t.first_token_at) - t.arrival)
-        itl = self.metrics.inter_token_latency
-        for e in events:
-            prev = self._last.get((key, e.index))
-            if prev is not None:
-                itl.observe(e.time - prev)
-            self._last[(key, e.index)] = e.time
-        self.tokens += len(events)
-        self.metrics.generated_tokens.inc(len(events))
-
-    def finished(self, code: str, ok: bool) -> None:
-        """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
-        self.metrics.requests.labels(self.protocol, self.method, code).inc()
-        if self.admitted is None:
-            return
-        total = time.monotonic() - min(s.timing.arrival for s in self.streams)
-        if ok:
-            self.metrics.request_duration.observe(total)
-            self.state.completions.append(time.monotonic())
-        log.info("%s %s %s", self.protocol, self.method, code, extra={
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})

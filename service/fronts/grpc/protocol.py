@@ -17,7 +17,7 @@ import numpy as np
 from attnserve.v1 import generate_pb2 as pb
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.sequence import Timing
-from service.fronts.front_state import TokenTexts
+from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
 
 OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed")

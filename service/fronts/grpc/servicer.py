@@ -17,7 +17,9 @@ from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.errors import InvalidRequest, Overloaded
-from service.fronts.front_state import Call, FrontState
+from service.fronts.call import Call
+from service.fronts.front_state import FrontState
+from service.fronts.generation import Generation
 from service.fronts.grpc.protocol import Collector, StreamState, parse_request, stream_messages
 from service.fronts.status import status_for
 
@@ -133,7 +135,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         """Validate, submit, and hand the stream to the RPC body; always frees the request's slots."""
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
-            engine = self.state.admit()
+            self.state.admit()  # refused while loading or draining, before any parsing
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
             accepted = await asyncio.to_thread(parse_request, request, self.state.model) if long else \
                 parse_request(request, self.state.model)
@@ -141,13 +143,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 accepted.request.deadline = time.monotonic() + remaining
-            stream = engine.submit(accepted.request)
-            call.accepted(accepted, stream)
-            with self.state.in_flight():
-                try:
-                    yield call, accepted, stream
-                finally:
-                    stream.cancel()  # no-op once finished; otherwise frees the slots at the next step
+            generation = Generation(self.state, call, [accepted])
+            try:
+                yield call, accepted, generation.streams[0]
+            finally:
+                generation.close()
 
 
 def _cancel_code(context) -> grpc.StatusCode:

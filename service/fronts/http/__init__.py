@@ -3,7 +3,6 @@
     app.py               the Starlette application: endpoints, the bearer token, errors in OpenAI's shape
     openai_schema.py     the request bodies (types only; ranges are the engine's, via fronts/validation.py)
     openai_responses.py  engine events -> OpenAI's response bodies and server-sent-event chunks
-    generation.py        one request's engine streams, their events, and freeing them however it ends
     listener.py          uvicorn in the server's event loop, beside gRPC
     connections.py       connections as a bounded resource: a cap, deadlines to speak and to read
     json_body.py         request bodies as JSON, their size in arrays, objects and values bounded before parsing

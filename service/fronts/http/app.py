@@ -32,15 +32,15 @@ from starlette.routing import Route
 from service import logs
 from service.engine.errors import EngineError, InvalidRequest, Overloaded
 from service.fronts.auth import REFUSAL, BearerAuth
-from service.fronts.front_state import Call, FrontState
+from service.fronts.call import Call
+from service.fronts.front_state import FrontState
+from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
-from service.fronts.http.generation import ClientGone, Generation
 from service.fronts.http.openai_responses import (
     DONE,
     ChatBuilder,
     CompletionBuilder,
     ResponseBuilder,
-    TokenStrings,
     json_pieces,
     sse,
 )
@@ -153,7 +153,6 @@ class HttpFront:
         self.state = state
         self.max_body = state.settings.max_receive_message_bytes
         self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
-        self._tokens: TokenStrings | None = None
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -214,7 +213,7 @@ class HttpFront:
             heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
             accepted_requests = await _off_loop(heavy, accept_all)
             logs.request_id.set(accepted_requests[0].request_id)
-            builder = CompletionBuilder(self._served_name(), accepted_requests, self._token_strings(),
+            builder = CompletionBuilder(self._served_name(), accepted_requests, self.state.texts,
                                         self._include_usage(body))
             return await self._generate(request, call, accepted_requests, builder, bool(body.stream), renames)
         except Exception as e:
@@ -250,7 +249,7 @@ class HttpFront:
             max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
             accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
             logs.request_id.set(accepted.request_id)
-            builder = ChatBuilder(self._served_name(), [accepted], self._token_strings(), self._include_usage(body))
+            builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body))
             return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
         except Exception as e:
             return self._failed(call, e)
@@ -389,11 +388,6 @@ class HttpFront:
         engine = self.state.ready()
         return {"id": engine.model.name, "object": "model", "created": int(time.time() - (time.monotonic() -
                 self.state.started)), "owned_by": "attnserve", "max_model_len": engine.context}
-
-    def _token_strings(self) -> TokenStrings:
-        if self._tokens is None:
-            self._tokens = TokenStrings(self.state.ready().tokenizer)
-        return self._tokens
 
     def _chat_template(self) -> ChatTemplate:
         if self._template is None and self.state.ready().encoder_decoder:

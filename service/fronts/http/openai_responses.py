@@ -17,34 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.request import FinishReason, TokenEvent
+from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest
-from service.runtime.tokenizer import Tokenizer
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
 DONE = b"data: [DONE]\n\n"
-
-
-class TokenStrings:
-    """Each token as OpenAI's logprobs name it: its text, or `bytes:\\xe2\\x80` where its bytes are only
-    part of a UTF-8 character (so two such tokens never share a name); with its bytes for chat."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        found = self._cache.get(token_id)
-        if found is None:
-            raw = self._tokenizer.token_bytes(token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            found = self._cache[token_id] = (text, list(raw))
-        return found
-
-    def text(self, token_id: int) -> str:
-        return self(token_id)[0]
 
 
 async def json_pieces(response: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -92,7 +69,7 @@ class ResponseBuilder:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, accepted_requests: list[AcceptedRequest], texts: TokenStrings,
+    def __init__(self, model: str, accepted_requests: list[AcceptedRequest], texts: TokenTexts,
                  include_usage: bool = False):
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -183,7 +160,7 @@ class CompletionBuilder(ResponseBuilder):
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _record(self, targets: tuple[dict[str, list], ...], event: TokenEvent, text_offset: int) -> None:
-        token, top = self.texts.text(event.token_id), self._top(event)
+        token, top = self.texts.openai(event.token_id)[0], self._top(event)
         for target in targets:
             target["tokens"].append(token)
             target["token_logprobs"].append(event.logprob)
@@ -191,8 +168,8 @@ class CompletionBuilder(ResponseBuilder):
             target["text_offset"].append(text_offset)
 
     def _top(self, e: TokenEvent) -> dict[str, float]:
-        top = {self.texts.text(t): lp for t, lp in e.top_logprobs or ()}
-        top.setdefault(self.texts.text(e.token_id), e.logprob)  # the sampled token is always there, as in OpenAI's
+        top = {self.texts.openai(t)[0]: lp for t, lp in e.top_logprobs or ()}
+        top.setdefault(self.texts.openai(e.token_id)[0], e.logprob)  # the sampled token is always there, as in OpenAI's
         return top
 
     def _chunk_choice(self, index: int, text: str, logprobs: dict | None) -> dict[str, Any]:
@@ -213,7 +190,7 @@ class ChatBuilder(ResponseBuilder):
         return []
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text, raw = self.texts(token_id)
+        text, raw = self.texts.openai(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
     def _record(self, targets: tuple[list[dict], ...], event: TokenEvent, text_offset: int) -> None:

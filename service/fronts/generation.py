@@ -1,8 +1,8 @@
-"""One HTTP generation: its engine requests (one per prompt), their events as they arrive, and the
-guarantee that whatever ends the call (the last token, an error, the client going away) frees every
-KV slot it holds at the engine's next step.
+"""One generation on any front: its engine requests (one per prompt; gRPC sends one), their events as
+they arrive, and the guarantee that whatever ends the call (the last token, an error, the client going
+away) frees every KV slot it holds at the engine's next step, and counts it out of the drain.
 
-    gen = Generation(state, call, accepted_requests)      # submits every prompt, or none (Overloaded, InvalidRequest)
+    gen = Generation(state, call, accepted_requests)   # submits every prompt, or none (Overloaded, InvalidRequest)
     async for stream_index, events in gen.events(receive):   # receive: watch for a disconnect
         ...
     gen.close()                                # idempotent; cancels what is still running
@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from service.engine.async_engine import RequestStream
 from service.engine.errors import Cancelled, EngineError
 from service.engine.request import TokenEvent
-from service.fronts.front_state import Call, FrontState
+from service.fronts.call import Call
+from service.fronts.front_state import FrontState
 from service.fronts.validation import AcceptedRequest
 
 _GONE = object()  # the client disconnected

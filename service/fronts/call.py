@@ -1,0 +1,71 @@
+"""One call on any front: its request id (in every log line), its latency metrics, and the count of
+calls by protocol, method and outcome.
+
+    call = Call(state, "grpc", "GenerateStream")
+    call.accepted(accepted, stream)      # the engine took it
+    call.observe(events, stream)         # as tokens arrive
+    call.finished("OK", ok=True)         # once, however it ends
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from service import logs
+from service.engine.async_engine import RequestStream
+from service.engine.request import TokenEvent
+from service.fronts.front_state import FrontState
+from service.fronts.validation import AcceptedRequest
+
+log = logging.getLogger("attnserve.server")
+
+class Call:
+    """One call in progress, on any front: its request id (in every log line), latency metrics, and
+    the count of calls by protocol, method and outcome."""
+
+    def __init__(self, state: FrontState, protocol: str, method: str):
+        self.state, self.protocol, self.method = state, protocol, method
+        self.metrics = state.metrics
+        self.admitted: AcceptedRequest | None = None  # its (first) request, once the engine took it
+        self.streams: list[RequestStream] = []
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
+        self._started: set[int] = set()  # streams whose first token was observed
+
+    def accepted(self, accepted: AcceptedRequest, stream: RequestStream) -> None:
+        self.admitted = accepted
+        self.streams.append(stream)
+        logs.request_id.set(accepted.request_id)
+        self.prompt_tokens += len(accepted.request.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
+
+    def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
+        stream = stream or self.streams[0]
+        key = id(stream)
+        if events and key not in self._started:
+            self._started.add(key)
+            t = stream.timing
+            self.metrics.time_to_first_token.observe(t.first_token_at - t.arrival)
+            self.metrics.queue_duration.observe((t.scheduled_at or t.first_token_at) - t.arrival)
+        itl = self.metrics.inter_token_latency
+        for e in events:
+            prev = self._last.get((key, e.index))
+            if prev is not None:
+                itl.observe(e.time - prev)
+            self._last[(key, e.index)] = e.time
+        self.tokens += len(events)
+        self.metrics.generated_tokens.inc(len(events))
+
+    def finished(self, code: str, ok: bool) -> None:
+        """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
+        self.metrics.requests.labels(self.protocol, self.method, code).inc()
+        if self.admitted is None:
+            return
+        total = time.monotonic() - min(s.timing.arrival for s in self.streams)
+        if ok:
+            self.metrics.request_duration.observe(total)
+            self.state.completions.append(time.monotonic())
+        log.info("%s %s %s", self.protocol, self.method, code, extra={
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})
