@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     shape = {name: getattr(args, name) for name in SMOLLM2_135M}
     levels = [int(c) for c in args.concurrency.split(",")]
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
     from model.hf.import_hf import import_hf
 
     rows, timings, refused = [], {}, {}

@@ -203,7 +203,7 @@ def build(size: str, config, root: Path, model_dir: Path, want: dict) -> dict:
 
 
 def int4_supported() -> bool:
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     return "int4" in inspect.signature(export_bundle).parameters
 
@@ -211,7 +211,7 @@ def int4_supported() -> bool:
 def write_bundle(model_dir: Path, out: Path, name: str, int4: bool) -> list[str]:
     """The serving graphs: static (fp32), static-int8, static-int8-per-tensor, static-int4 when asked (the
     standard fp32 graph is left out; its INT8 form stays, as `export --int8 --no-fp32` writes)."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     extra = {"int4": True} if int4 else {}
     return export_bundle(model_dir, out, name=name, int8=True, int8_per_tensor=True, keep_fp32=False,

@@ -16,21 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from export.bundle_writer import (
-    GRAPH_FILES,
-    copy_tokenizer,
-    make_manifest,
-    special_tokens,
-    stamp_metadata,
-    weights_hash,
-)
+from export.bundle_writer import GRAPH_FILES, export_bundle
 from export.known_warnings import known_warnings_silenced
-from export.onnx_export import DEFAULT_OPSET, export_decoder
-from export.static_cache_graph import export_static_cache_decoder
-from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, node_count, optimize, quantize
+from export.onnx_export import DEFAULT_OPSET
+from export.variants import node_count
 from model.checkpoint import CONFIG_FILE, load_model_dir, load_seq2seq_dir
 from model.seq2seq_config import is_seq2seq
-from service.runtime.bundle import sha256_file, write_manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,51 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph the server uses when none is asked for (default: static)")
     p.add_argument("--tol", type=float, default=1e-4, help="max |Δlogits| allowed by --verify")
     return p
-
-
-def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False, int4: bool = False,
-                  fp16: bool = False, keep_fp32: bool = True, default: str = "static") -> list[str]:
-    """Write the bundle; returns the graph variants written."""
-    if not keep_fp32 and not (optimized or int8 or fp16):
-        raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
-                         "a bundle keeps a standard graph")
-    model, tokenizer = load_model_dir(model_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    static = export_static_cache_decoder(model, out / GRAPH_FILES["static"])
-    fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
-    variants = ["static", "fp32"]
-    if int8:
-        quantize(static, out / GRAPH_FILES["static-int8"], INT8)
-        variants.append("static-int8")
-    if int8_per_tensor:
-        quantize(static, out / GRAPH_FILES["static-int8-per-tensor"], INT8_PER_TENSOR)
-        variants.append("static-int8-per-tensor")
-    if int4:
-        quantize(static, out / GRAPH_FILES["static-int4"], INT4)
-        variants.append("static-int4")
-    if optimized:
-        optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
-        variants.append("optimized")
-    if int8:
-        quantize(fp32, out / GRAPH_FILES["int8"], INT8_PER_TENSOR)  # the standard graph keeps standard ops
-        variants.append("int8")
-    if fp16:
-        convert_fp16(fp32, out / GRAPH_FILES["fp16"])
-        variants.append("fp16")
-    if not keep_fp32:
-        fp32.unlink()
-        variants.remove("fp32")
-    if default not in variants:
-        raise ValueError(f"default graph {default!r} was not written; the bundle has {variants}")
-    manifest = make_manifest(model, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
-                             weights_hash(model_dir), variants, default)
-    for v in variants:
-        stamp_metadata(out / GRAPH_FILES[v], manifest)
-    copy_tokenizer(model_dir, out)
-    manifest.tokenizer_sha256 = sha256_file(out / manifest.tokenizer_file)
-    write_manifest(out, manifest)
-    return variants
 
 
 def export_encoder_decoder(args: argparse.Namespace) -> int:

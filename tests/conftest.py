@@ -119,7 +119,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory, tiny_model_dir) -> Path:
     """The tiny model exported with every graph variant."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     path = tmp_path_factory.mktemp("bundle")
     export_bundle(tiny_model_dir, path, name="tiny", optimized=True, int8=True, fp16=True)
@@ -174,7 +174,7 @@ def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 def lively_bundle(tmp_path_factory, lively_model_dir) -> Path:
     """The lively model exported with the default graphs, `static` (served) and `fp32` (reference), and INT8
     (`static-int8`, which `--graph auto` may serve)."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     path = tmp_path_factory.mktemp("engine_bundle")
     export_bundle(lively_model_dir, path, name="tiny", int8=True)
@@ -208,7 +208,7 @@ LLAMA = dict(pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, qk
 def llama_bundle(tmp_path_factory, tiny_tokenizer) -> Path:
     """A lively Llama-style model (rotary positions, RMSNorm, SwiGLU, 2 KV heads for 4 query heads, untied
     head) exported with the default graphs and INT8."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
     from model.checkpoint import save_model_dir
 
     root = tmp_path_factory.mktemp("llama")
@@ -301,7 +301,7 @@ def int8_bundle(request) -> Path:
 @pytest.fixture(scope="session")
 def plain_bundle(tmp_path_factory, tiny_model_dir) -> Path:
     """The shared tiny model (default initialisation) with the default graphs."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     path = tmp_path_factory.mktemp("plain_bundle")
     export_bundle(tiny_model_dir, path, name="tiny")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.needs_torch(reason="builds its padded model with torch"
 def padded_bundle(tmp_path_factory, tiny_tokenizer):
     import torch
 
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
     from model.checkpoint import save_model_dir
 
     model_dir = tmp_path_factory.mktemp("padded-model")

@@ -14,7 +14,7 @@ SHIPPED_MODEL = ROOT / "models" / "shakespeare"
 def shipped_int4_bundle(tmp_path_factory) -> Path:
     """The shipped model exported with its 4-bit serving graph beside the fp32 one (the shipped bundle
     does not carry it: docs/onnx.md says why)."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
 
     path = tmp_path_factory.mktemp("shipped_int4")
     export_bundle(SHIPPED_MODEL, path, name="shakespeare", int4=True)

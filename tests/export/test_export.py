@@ -11,8 +11,7 @@ import onnx
 import pytest
 import torch
 
-from export.bundle_writer import GRAPH_FILES, sha256_file
-from export.cli import export_bundle
+from export.bundle_writer import GRAPH_FILES, export_bundle, sha256_file
 from export.variants import node_count
 from export.verify import verify, verify_static
 from model.checkpoint import load_model_dir

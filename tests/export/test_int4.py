@@ -8,8 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export.bundle_writer import GRAPH_FILES
-from export.cli import export_bundle
+from export.bundle_writer import GRAPH_FILES, export_bundle
 from export.variants import INT4, quantization
 from service.runtime.bundle import read_manifest
 from service.runtime.graph_choice import open_serving_graph

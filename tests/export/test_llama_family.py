@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from export.cli import export_bundle  # noqa: E402
+from export.bundle_writer import export_bundle  # noqa: E402
 from export.verify import verify, verify_static  # noqa: E402
 from model.checkpoint import load_model_dir  # noqa: E402
 from model.hf.import_hf import import_hf  # noqa: E402

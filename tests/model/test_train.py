@@ -105,7 +105,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest():
 def test_the_llama_architecture_trains_and_its_directory_exports(tmp_path):
     """--arch llama: rotary positions, RMSNorm, SwiGLU, grouped-query attention; it learns, and the model
     directory it writes exports and verifies like the GPT's."""
-    from export.cli import export_bundle
+    from export.bundle_writer import export_bundle
     from export.verify import verify_static
     from model.checkpoint import load_model_dir
 
