@@ -1,7 +1,7 @@
 """The `attnserve` command: one entry point, one module per subcommand.
 
 Subcommand modules are imported only when chosen, so `attnserve serve` never imports torch.
-Each module has `main(argv) -> int` and also runs on its own (`python -m model.train`).
+Each module has `main(argv) -> int` and also runs on its own (`python -m model.training.train`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ exactly: the base alphabet is all 256 bytes, so nothing is ever unknown. `<|endo
 documents and ends a generation.
 
 Export writes it into the bundle and serving reads it from there: with the manifest, it is the
-contract between the two (`model.tokenizer` trains it).
+contract between the two (`model.training.tokenizer` trains it).
 """
 
 from __future__ import annotations

@@ -225,9 +225,8 @@ def test_idle_and_slowloris_http_connections_up_to_the_cap_are_closed_while_heal
                         for reason in ("header_timeout", "evicted"))
     silent = [connect(served.http_port) for _ in range(CAP // 2)]
     dripping = [connect(served.http_port) for _ in range(CAP - CAP // 2)]
+    wait_until(lambda: served.metric("attnserve_http_connections") >= CAP, timeout=30, what="the cap to be reached")
     with watching(served, "grpc"):
-        wait_until(lambda: served.metric("attnserve_http_connections") >= CAP, timeout=30,
-                   what="the cap to be reached")
         deadline = time.monotonic() + 3 * LIMITS["header_timeout_s"]
         for byte in b"POST /v1/completions HTTP/1.1\r\nx-slow: " + b"a" * 200:
             if time.monotonic() > deadline:

@@ -1,6 +1,9 @@
 """The HTTP front: OpenAI's API (completions, chat completions, models) and /health, on the engine.
 
-    app.py               the Starlette application: endpoints, the bearer token, errors in OpenAI's shape
+    app.py               the Starlette application: the endpoints and their answers
+    request_body.py      a request's body read within its limits, parsed, bounded and validated; its deadline header
+    errors.py            errors in OpenAI's shape, and the engine's field names as OpenAI's request spells them
+    bearer_guard.py      the bearer-token check, before the application reads a request
     openai_schema.py     the request bodies (types only; ranges are the engine's, via fronts/validation.py)
     openai_responses.py  engine events -> OpenAI's response bodies and server-sent-event chunks
     listener.py          uvicorn in the server's event loop, beside gRPC

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import StreamingResponse
+
 from service.engine.request import FinishReason, TokenEvent
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest
@@ -214,3 +216,18 @@ class ChatBuilder(ResponseBuilder):
                     "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs else None,
                     "finish_reason": c.finish_reason} for c in self.choices]
         return self.envelope(choices, chunk=False)
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream whose `cleanup` runs however the response ends, even before it starts."""
+
+    def __init__(self, content, cleanup, headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()

@@ -1,0 +1,33 @@
+"""The HTTP front's bearer-token check, as ASGI middleware: with a token set, every path but OPEN_PATHS
+needs `Authorization: Bearer <token>`, or gets a 401 before the application reads the request."""
+
+from __future__ import annotations
+
+from service.fronts.auth import REFUSAL, BearerAuth
+from service.fronts.front_state import FrontState
+from service.fronts.http.errors import error_response
+from service.fronts.status import HttpStatus
+
+OPEN_PATHS = frozenset({"/health"})
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")  # metric labels; others are "other"
+
+
+class BearerGuard:
+    """ASGI middleware: with a token set, every path but OPEN_PATHS needs `Authorization: Bearer <token>`."""
+
+    def __init__(self, app, token: str | None, state: FrontState):
+        self.app = app
+        self.auth = BearerAuth(token) if token else None
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.auth is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.auth.authorized(value):
+                path = scope["path"] if scope["path"] in ROUTES else "other"  # no label per random path
+                self.state.metrics.requests.labels("http", path, "401").inc()
+                response = error_response(HttpStatus(401, "authentication_error", REFUSAL))
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

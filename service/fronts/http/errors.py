@@ -1,0 +1,94 @@
+"""The HTTP front's errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the
+engine's field names as the OpenAI request spells them (`max_tokens`, not `stopping.max_new_tokens`).
+The status of each engine error is `service.fronts.status`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from service.engine.errors import InvalidRequest
+from service.fronts.status import HttpStatus
+
+ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+               429: "rate_limit_exceeded", 503: "service_unavailable", 408: "timeout"}
+# the engine's field names -> the OpenAI request's
+OPENAI_NAMES = {"prompt_token_ids": "prompt", "stopping.max_new_tokens": "max_tokens",
+                "stopping.min_new_tokens": "min_tokens", "stopping.stop": "stop",
+                "stopping.stop_token_ids": "stop_token_ids", "stopping.ignore_eos": "ignore_eos"}
+TYPE_TAG = re.compile(r"[\[\](),]|^(str|int|float|bool|none|dict)$|^[A-Z]")  # pydantic's union member names
+
+
+def error_body(status: HttpStatus) -> dict[str, Any]:
+    return {"error": {"message": status.message, "type": status.type, "param": status.param,
+                      "code": ERROR_CODES.get(status.status)}}
+
+
+def error_response(status: HttpStatus) -> JSONResponse:
+    return JSONResponse(error_body(status), status_code=status.status, headers=dict(status.headers))
+
+
+def openai_param(field: str, renames: dict[str, str]) -> str:
+    """An engine field path (`stopping.stop[2]`, `sampling.temperature`) as the request's field name."""
+    base = re.sub(r"\[\d+\]$", "", field)
+    if base in renames:
+        return renames[base]
+    if base in OPENAI_NAMES:
+        return OPENAI_NAMES[base]
+    return base.removeprefix("sampling.")
+
+
+def renamed(error: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
+    """The error as the HTTP client sees it: the field, and the engine's names in the message, OpenAI's."""
+    param = openai_param(error.field, renames)
+    message = str(error).removeprefix(error.field + ": ")
+    for engine_name in ("max_new_tokens", "min_new_tokens"):
+        message = message.replace(engine_name, openai_param("stopping." + engine_name, renames))
+    return InvalidRequest(param, message)
+
+
+def schema_error(error: ValidationError) -> InvalidRequest:
+    """pydantic's first complaint about a body, naming the field as the request spells it."""
+    err = error.errors()[0]
+    path = ""
+    for part in err["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not TYPE_TAG.search(part):
+            path += ("." if path else "") + part
+    if not path:
+        return InvalidRequest("body", "must be a JSON object")
+    got = json.dumps(err.get("input"), ensure_ascii=False, default=str)
+    got = got if len(got) <= 80 else got[:77] + "..."
+    message = err["msg"] if err["type"] != "missing" else "is required"
+    return InvalidRequest(path, f"{message}" + (f"; got {got}" if err["type"] != "missing" else ""))
+
+
+class HttpError(Exception):
+    status: HttpStatus
+
+
+class TooLarge(HttpError):
+    def __init__(self, size: int, limit: int):
+        super().__init__()
+        self.status = HttpStatus(413, "invalid_request_error", f"the body is {size} bytes or more; the limit is "
+                                 f"{limit} bytes (max_receive_message_bytes)", "body")
+
+
+class BodyTimeout(HttpError):
+    def __init__(self, size: int, limit_s: float):
+        super().__init__()
+        self.status = HttpStatus(408, "invalid_request_error", f"the body did not arrive within {limit_s:g} s of its "
+                                 f"headers ({size} bytes did; body_timeout_s)", "body", (("Connection", "close"),))
+
+
+class UnknownModel(HttpError):
+    def __init__(self, name: str, served: str):
+        super().__init__()
+        self.status = HttpStatus(404, "invalid_request_error", f"the model {name!r} does not exist; this server "
+                                 f"serves {served!r}", "model")
