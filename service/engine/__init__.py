@@ -1,6 +1,7 @@
 """The engine: continuous batching over a fixed KV cache, in token ids. No grpc, no HTTP, no torch.
 
     core.py          Engine.step(): schedule -> run the model -> sample -> update and emit; Engine.generate()
+    output.py        the output step: a sampled token appended, checked for a stop, emitted; a sequence fed or finished
     async_engine.py  the engine on its own thread, behind an asyncio API (AsyncEngine, RequestStream)
     request.py       what goes in and comes out: GenerationRequest and its parameters, TokenEvent
     sequence.py      per-request and per-sequence state (the engine thread's alone)

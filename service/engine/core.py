@@ -35,7 +35,8 @@ from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
 from service.engine.kv_cache import KVCache
-from service.engine.request import EngineLimits, FinishReason, Generated, GenerationRequest, TokenEvent
+from service.engine.output import Output, OutputStep
+from service.engine.request import EngineLimits, Generated, GenerationRequest, TokenEvent
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
@@ -44,7 +45,6 @@ from service.runtime.static_runner import StaticRunner
 
 log = logging.getLogger(__name__)
 
-Output = tuple[RequestState, "TokenEvent | EngineError"]
 RATE_WINDOW_S = 10.0
 
 
@@ -101,6 +101,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes,
                                    encoder_decoder=self.encoder_decoder)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
+        self.output = OutputStep(self.scheduler, self.eos_ids, self.end)
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
         self.requests: dict[str, RequestState] = {}
@@ -293,7 +294,7 @@ class Engine:
                 out += self.end(state, ModelError(f"model step failed: {type(error).__name__}: {error}"))
         return out
 
-    # ---- sample and update ---------------------------------------------------------------------
+    # ---- sample, then the output step (engine/output.py) ---------------------------------------
 
     def _sample_and_update(self, ran: RunnerOutput) -> list[Output]:
         out = ran.failed
@@ -308,7 +309,7 @@ class Engine:
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step
         for i, seq in enumerate(seqs):
             logprob = None if logprobs[i] != logprobs[i] else logprobs[i]  # NaN: the request asked for none
-            out += self._update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
+            out += self.output.update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
         self._count(len(seqs))
         return out
 
@@ -318,50 +319,6 @@ class Engine:
         if self._sampling is None or self._sampling[0] != key:
             self._sampling = key, SamplingBatch([s.sampling for s in seqs])
         return self._sampling[1]
-
-    def _update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
-        """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence."""
-        state = seq.request_state
-        seq.output_ids.append(token)
-        seq.sampling.accept(token)
-        if state.first_token_at is None:
-            state.first_token_at = now
-        reason, text = self._stop(seq, token)
-        out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
-        if reason is None:
-            self.scheduler.feed(seq, token)
-        else:
-            out += self._finish(seq, reason)
-        return out
-
-    def _stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
-        """Whether `seq` ends with `token` (and why), and the text to emit with it. Stop conditions
-        count only from min_new_tokens on; the max_new_tokens limit always does."""
-        st = seq.request.stopping
-        n_out = len(seq.output_ids)
-        active = n_out >= st.min_new_tokens
-        if active and token in self.eos_ids and not st.ignore_eos:
-            reason = FinishReason.EOS
-        elif active and token in st.stop_token_ids:
-            reason = FinishReason.STOP
-        else:
-            text, by_string = seq.text.push(token, check_stop=active)
-            if by_string:
-                return FinishReason.STOP, text
-            if n_out < st.max_new_tokens:
-                return None, text
-            tail, by_string = seq.text.finish(check_stop=active)  # a stop string may still match the held text
-            return (FinishReason.STOP if by_string else FinishReason.LENGTH), text + tail
-        tail, by_string = seq.text.finish(check_stop=active)
-        return (FinishReason.STOP if by_string else reason), tail
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> list[Output]:
-        """Release `seq`'s slot; the request ends with its last sequence."""
-        seq.finish_reason = reason
-        self.scheduler.free(seq)
-        if all(s.status is Status.FINISHED for s in seq.request_state.seqs):
-            return self.end(seq.request_state, None)
-        return []
 
     # ---- counters ------------------------------------------------------------------------------
 

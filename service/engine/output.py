@@ -1,0 +1,70 @@
+"""The output step: each sampled token appended to its sequence, checked against the stop conditions,
+emitted as a `TokenEvent`, and the sequence fed to the next decode or finished (its slot freed; the
+request ends with its last sequence).
+
+    step = OutputStep(scheduler, eos_ids, end)          # end(request_state, error) ends a request
+    outputs = step.update(seq, token, logprob, top, now)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.engine.errors import EngineError
+from service.engine.request import FinishReason, TokenEvent
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import RequestState, Sequence, Status
+
+Output = tuple[RequestState, "TokenEvent | EngineError"]  # what a step gives a request: a token, or its end
+
+
+class OutputStep:
+    def __init__(self, scheduler: Scheduler, eos_ids: frozenset[int],
+                 end: Callable[[RequestState, EngineError | None], list[Output]]):
+        self.scheduler = scheduler
+        self.eos_ids = eos_ids  # every id that ends generation (Llama 3 has several)
+        self.end = end
+
+    def update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
+        """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence."""
+        state = seq.request_state
+        seq.output_ids.append(token)
+        seq.sampling.accept(token)
+        if state.first_token_at is None:
+            state.first_token_at = now
+        reason, text = self.stop(seq, token)
+        out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
+        if reason is None:
+            self.scheduler.feed(seq, token)
+        else:
+            out += self.finish(seq, reason)
+        return out
+
+    def stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
+        """Whether `seq` ends with `token` (and why), and the text to emit with it. Stop conditions
+        count only from min_new_tokens on; the max_new_tokens limit always does."""
+        st = seq.request.stopping
+        n_out = len(seq.output_ids)
+        active = n_out >= st.min_new_tokens
+        if active and token in self.eos_ids and not st.ignore_eos:
+            reason = FinishReason.EOS
+        elif active and token in st.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            text, by_string = seq.text.push(token, check_stop=active)
+            if by_string:
+                return FinishReason.STOP, text
+            if n_out < st.max_new_tokens:
+                return None, text
+            tail, by_string = seq.text.finish(check_stop=active)  # a stop string may still match the held text
+            return (FinishReason.STOP if by_string else FinishReason.LENGTH), text + tail
+        tail, by_string = seq.text.finish(check_stop=active)
+        return (FinishReason.STOP if by_string else reason), tail
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> list[Output]:
+        """Release `seq`'s slot; the request ends with its last sequence."""
+        seq.finish_reason = reason
+        self.scheduler.free(seq)
+        if all(s.status is Status.FINISHED for s in seq.request_state.seqs):
+            return self.end(seq.request_state, None)
+        return []
