@@ -1,15 +1,16 @@
 """The fronts: protocols in front of the one engine. What they share lives here.
 
-    grpc/            the gRPC front: servicer, protobuf conversion, TLS and token interceptor
-    http/            the HTTP front: OpenAI's API on Starlette and uvicorn, in the same event loop
-    front_state.py   the engine both fronts submit to, admission, the drain, streaming cadence
-    generation.py    one generation's engine streams, submitted together and freed however the call ends
-    call.py          one call's request id, metrics and closing log line
-    token_texts.py   each token's text for logprobs, as gRPC and as OpenAI name it
-    validation.py    one statement of every request field's range, used by every front
-    auth.py          the bearer token check and PEM reading
-    status.py        engine errors -> each protocol's status codes, the one table
-    metrics.py       Prometheus metrics, on their own port, labelled by protocol
-    ports.py         a port that cannot be bound, named with the setting that changes it
-    file_handles.py  the open-file limit raised for the connection caps, or the caps fitted to it
+    grpc/              the gRPC front: servicer, protobuf conversion, TLS and token interceptor
+    http/              the HTTP front: OpenAI's API on Starlette and uvicorn, in the same event loop
+    front_state.py     the engine both fronts submit to, admission, the drain, the retry-after hint
+    generation.py      one generation's engine streams, submitted together and freed however the call ends
+    stream_cadence.py  how many tokens a stream message carries and how long it waits for them
+    call.py            one call's request id, metrics and closing log line
+    token_texts.py     each token's text for logprobs, as gRPC and as OpenAI name it
+    validation.py      one statement of every request field's range, used by every front
+    auth.py            the bearer token check and PEM reading
+    status.py          engine errors -> each protocol's status codes, the one table
+    metrics.py         Prometheus metrics, on their own port, labelled by protocol
+    ports.py           a port that cannot be bound, named with the setting that changes it
+    file_handles.py    the open-file limit raised for the connection caps, or the caps fitted to it
 """

@@ -1,5 +1,6 @@
 """What the fronts share at run time: the one engine, whether it takes work, the requests in flight
-(for the drain), the streaming cadence and the retry-after hint. (Each call's metrics: `call.py`.)
+(for the drain) and the retry-after hint; the streaming cadence is `stream_cadence.py`'s, each call's
+metrics `call.py`'s.
 
     state = FrontState(settings, metrics)      # one per process; every front holds it
     state.attach(engine)                        # once the model is warm: fronts start accepting
@@ -22,6 +23,7 @@ from service.engine.errors import EngineStopped, NotReady
 from service.engine.request import TokenEvent
 from service.fronts.generation_defaults import sampling_defaults
 from service.fronts.metrics import Metrics
+from service.fronts.stream_cadence import StreamCadence
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import ModelFacts
 from service.settings import ServerSettings
@@ -29,8 +31,6 @@ from service.settings import ServerSettings
 log = logging.getLogger("attnserve.server")
 
 COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
-STREAM_FANOUT = 8  # adaptive streaming: about this many stream messages per model step in all
-MAX_TOKENS_PER_MESSAGE = 16
 
 
 class FrontState:
@@ -46,8 +46,7 @@ class FrontState:
         self.idle.set()
         self.texts: TokenTexts | None = None
         self.model: ModelFacts | None = None
-        self.min_age_s = settings.stream_interval_ms / 1000
-        self.max_delay_s = settings.stream_max_delay_ms / 1000
+        self.cadence = StreamCadence(settings)
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -89,20 +88,9 @@ class FrontState:
         if self.active == 0:
             self.idle.set()
 
-    def tokens_per_message(self) -> int:
-        """Tokens a stream message waits for (`stream_tokens`). Adaptive: 1 while few sequences run;
-        beyond STREAM_FANOUT, enough that the whole server sends about STREAM_FANOUT messages per
-        model step. Each message costs the server and the client CPU that the model would use."""
-        if self.settings.stream_tokens:
-            return self.settings.stream_tokens
-        running = self.engine.running_sequences if self.engine else 0
-        return min(-(-running // STREAM_FANOUT), MAX_TOKENS_PER_MESSAGE) or 1
-
     async def next_message(self, stream: RequestStream) -> list[TokenEvent]:
-        """A stream's next events, gathered as the streaming settings say (the first token goes at once)."""
-        if not stream.timing.first_token_at:
-            return await stream.next_batch()
-        return await stream.next_batch(self.tokens_per_message(), self.min_age_s, self.max_delay_s)
+        """A stream's next events, gathered as the streaming settings say (`stream_cadence`)."""
+        return await self.cadence.next_message(stream, self.engine.running_sequences if self.engine else 0)
 
     def retry_after_ms(self) -> int:
         """How long until a queue place is likely free: waiting requests over the recent completion rate."""
