@@ -148,18 +148,17 @@ class Manifest(BaseModel):
 
 def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
     """The decoder's input and output names, in graph order (optimum / onnxruntime-genai naming)."""
-    inputs = ["input_ids", "attention_mask", "position_ids"]
-    outputs = ["logits"]
-    for i in range(n_layer):
-        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        outputs += [f"present.{i}.key", f"present.{i}.value"]
-    return inputs, outputs
+    return _with_cache(["input_ids", "attention_mask", "position_ids"], n_layer)
 
 
 def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
     """The static-cache decoder's names (onnxruntime-genai's GroupQueryAttention inputs)."""
-    inputs = ["input_ids", "position_ids", "seqlens_k", "total_sequence_length"]
-    outputs = ["logits"]
+    return _with_cache(["input_ids", "position_ids", "seqlens_k", "total_sequence_length"], n_layer)
+
+
+def _with_cache(inputs: list[str], n_layer: int) -> tuple[list[str], list[str]]:
+    """`inputs` then each layer's past keys and values; the logits then each layer's present ones."""
+    inputs, outputs = list(inputs), ["logits"]
     for i in range(n_layer):
         inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
