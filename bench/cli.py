@@ -1,26 +1,26 @@
-"""`attnserve bench <what>`: the benchmarks, one module each (see docs/BENCHMARKS.md)."""
+"""`attnserve bench <what>`: the benchmarks, one module each in bench/commands/ (see docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHES = {
-    "engine": ("bench.engine", "the engine in-process: throughput, step time vs context, compute ceiling"),
-    "serve": ("bench.serve", "a load of concurrent streaming gRPC (or HTTP) clients: tokens/s, TTFT, ITL, errors"),
-    "compare": ("bench.compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table"),
-    "soak": ("bench.soak", "a mixed load for minutes: server memory, throughput and errors over time"),
-    "onnx-variants": ("bench.onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
-    "quantization": ("bench.quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),
-    "llama-shape": ("bench.llama_shape", "a random Llama-family model of a real size (SmolLM2-135M's) through "
-                                         "import-hf, export and the engine"),
-    "rotary-placement": ("bench.rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
-    "prefix-cache": ("bench.prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
-    "g2p": ("bench.g2p", "the encoder-decoder G2P model against CTranslate2 and transformers: words/s alone "
-                         "and 32 at a time"),
-    "hostile": ("bench.hostile", "hostile clients (idle connections, huge bodies, deep JSON, Tokenize at its limit) "
-                                 "against a default server: what they cost everyone else"),
-    "bandwidth": ("bench.bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
+BENCHES = {  # name: (its module in bench/commands/, what it measures)
+    "engine": ("engine", "the engine in-process: throughput, step time vs context, compute ceiling"),
+    "serve": ("serve", "a load of concurrent streaming gRPC (or HTTP) clients: tokens/s, TTFT, ITL, errors"),
+    "compare": ("compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table"),
+    "soak": ("soak", "a mixed load for minutes: server memory, throughput and errors over time"),
+    "onnx-variants": ("onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
+    "quantization": ("quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),
+    "llama-shape": ("llama_shape", "a random Llama-family model of a real size (SmolLM2-135M's) through "
+                                   "import-hf, export and the engine"),
+    "rotary-placement": ("rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
+    "prefix-cache": ("prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
+    "g2p": ("g2p", "the encoder-decoder G2P model against CTranslate2 and transformers: words/s alone "
+                   "and 32 at a time"),
+    "hostile": ("hostile", "hostile clients (idle connections, huge bodies, deep JSON, Tokenize at its limit) "
+                           "against a default server: what they cost everyone else"),
+    "bandwidth": ("bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
 }
 
 
@@ -32,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, help_) in BENCHES.items():
             print(f"  {name:<{width}}  {help_}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])
+    return importlib.import_module(f"bench.commands.{BENCHES[argv[0]][0]}").main(argv[1:])

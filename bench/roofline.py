@@ -1,7 +1,7 @@
 """The memory-bandwidth bound on a batch-1 decode step: bytes a graph reads per token, and the tokens/s they allow.
 
     bytes = weight_bytes_per_token(bundle / "model.static.int4.onnx")
-    bound = bound_tokens_per_s(bytes, read_bandwidth())   # bench.bandwidth: GB/s of this machine
+    bound = bound_tokens_per_s(bytes, read_bandwidth())   # bench.commands.bandwidth: GB/s of this machine
 
 A decode step at batch 1 reads every weight it multiplies by once, so no step can be faster than those
 bytes over the machine's read bandwidth. What is counted: every initializer of the graph (and of its

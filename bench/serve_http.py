@@ -107,7 +107,7 @@ class HttpLoad:
 
     async def drive(self, plan: list[list[workload.Item]], timeout_s: float = 600.0,
                     stagger: bool = True) -> list[RequestRecord]:
-        """Run `plan` (one list of items per client); one record per request, as `bench.serve.drive`."""
+        """Run `plan` (one list of items per client); one record per request, as `bench.commands.serve.drive`."""
         clients = len(plan)
         records: list[RequestRecord] = []
         bodies = [[completion_body(item, c * 1000 + i, self.model, timeout_s) for i, item in enumerate(items)]

@@ -72,8 +72,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.llama_shape import SMOLLM2_135M
-from bench.quantization import GPT2_SHAPE
+from bench.commands.llama_shape import SMOLLM2_135M
+from bench.commands.quantization import GPT2_SHAPE
 from service.runtime.bundle import sha256_file
 
 SIZES = ("shipped", "gpt2-124m", "smollm2-135m")

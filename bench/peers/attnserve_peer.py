@@ -3,7 +3,7 @@
     python -m bench.peers.attnserve_peer --bundle B --graph static-int8 --mode in-process --spec spec.json
     python -m bench.peers.attnserve_peer --bundle B --graph static --mode grpc --spec spec.json
 
-`bench.compare` runs this in a child process per system and round, so that every system's peak RSS
+`bench.commands.compare` runs this in a child process per system and round, so that every system's peak RSS
 is its own: in-process, the VmHWM of this process (the engine and the bundle it loaded); over gRPC,
 the VmHWM of the `attnserve serve` child (`bench.server_process.ServerProcess`), read before it stops.
 
@@ -106,7 +106,7 @@ def in_process(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[lis
 async def grpc_run(stub, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, list[float]]:
     """One GenerateStream per prompt, all at once: (ids per prompt, seconds, each one's TTFT)."""
     from bench import workload
-    from bench.serve import to_request
+    from bench.commands.serve import to_request
 
     start = time.perf_counter()
 

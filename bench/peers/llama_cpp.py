@@ -445,7 +445,7 @@ def measure(hf_dir: Path, work: Path, precision: str, spec: dict, mode: str) -> 
 
 
 def default_spec(vocab: int, quick: bool, seed: int = 0) -> dict:
-    """16-token prompts (8 with `quick`), 128 new tokens (8), 32 streams and, as `bench.compare` has them,
+    """16-token prompts (8 with `quick`), 128 new tokens (8), 32 streams and, as `bench.commands.compare` has them,
     their first 3 prompts (2) for batch 1."""
     prompt_tokens, new_tokens, singles = (8, 8, 2) if quick else (16, 128, 3)
     ids = [item.prompt for item in workload.fixed(SLOTS, prompt_tokens, new_tokens, vocab, seed)]

@@ -3,7 +3,7 @@
 Every system the comparison measures (a peer in its own virtualenv, or attnserve in a child process)
 is one script that reads a spec and prints a result as the last line of its standard output. This
 module is that contract in code, with the standard library only, so that a peer's interpreter can
-import it (scripts in this folder run with the folder on sys.path) and so can `bench.compare`.
+import it (scripts in this folder run with the folder on sys.path) and so can `bench.commands.compare`.
 
 Spec:   {"new_tokens": N, "single": [[ids], ...], "streams": [[ids] x 32], "repeats": R}
 Result: {"system", "precision", "settings", "versions",
@@ -15,7 +15,7 @@ Batch 1 runs the `single` prompts one after another: tokens/s = their new tokens
 times (prefill included), TTFT = the median over the prompts of send → first token. Streams: the 32
 prompts at once, aggregate generated tokens/s over first send → last token, and TTFT percentiles over
 the 32 sequences. `tokens` are the greedy ids of the `streams` prompts, `single_tokens` those of the
-`single` prompts as batch 1 generated them alone (its first repeat): `bench.compare` makes the `single`
+`single` prompts as batch 1 generated them alone (its first repeat): `bench.commands.compare` makes the `single`
 prompts the first of the `streams`, so the two say whether a prompt's tokens depend on the batch it
 ran in. A system without token ids (llama.cpp's batched-bench) gives None for both. Peak RSS is the
 VmHWM of the process that holds the model.

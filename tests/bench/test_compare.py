@@ -8,8 +8,16 @@ import sys
 
 import pytest
 
-from bench import compare
-from bench.compare import agreement, alone_equals_batched, evaluate, make_spec, render, rotated, summarize_system
+from bench.commands import compare
+from bench.commands.compare import (
+    agreement,
+    alone_equals_batched,
+    evaluate,
+    make_spec,
+    render,
+    rotated,
+    summarize_system,
+)
 from bench.peers import protocol, systems
 from bench.peers.systems import SYSTEMS, System, select
 

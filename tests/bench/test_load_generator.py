@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import workload
-from bench.serve import drive, main
+from bench.commands.serve import drive, main
 from bench.serve_http import HttpLoad
 from bench.server_process import ServerProcess
 from bench.stats import summarize

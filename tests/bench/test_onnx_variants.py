@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.onnx_variants import ConcatGraph, StaticGraph, open_graph
+from bench.commands.onnx_variants import ConcatGraph, StaticGraph, open_graph
 from service.runtime.bundle import read_manifest
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from bench.quantization import expand_block_sizes
+from bench.commands.quantization import expand_block_sizes
 from bench.roofline import bound_tokens_per_s, tensor_bytes, weight_bytes_per_token
 from export.bundle_writer import GRAPH_FILES
 

@@ -9,7 +9,7 @@ import json
 import httpx2
 import pytest
 
-from bench.serve import http_addresses
+from bench.commands.serve import http_addresses
 from bench.serve_http import HttpLoad, base_url, spread
 from bench.stats import RequestRecord
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import WARM_UP_S, verdict
+from bench.commands.soak import WARM_UP_S, verdict
 
 
 def samples(rss_at, seconds=600, step=5):

@@ -15,7 +15,7 @@ and measured against it, on this CPU; each 4-bit one once per block size of `--b
 - decode step time at batch 1 and 32 against fp32, in interleaved rounds, medians;
 - batch 1 against the memory-bandwidth bound: tokens/s, the bytes of weights a step reads
   (`bench.roofline.weight_bytes_per_token`) and the tokens/s this machine's read bandwidth
-  (`bench.bandwidth.read_bandwidth`, measured in the same run) allows for them, as a percentage.
+  (`bench.commands.bandwidth.read_bandwidth`, measured in the same run) allows for them, as a percentage.
 
 `--gpt2-shape` measures speed alone, on random weights of GPT-2 124M's shape (12 layers, 768 wide,
 50257 tokens, 1024 context), where batch 1 is bound by reading the weights as in real deployments
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bandwidth import read_bandwidth
+from bench.commands.bandwidth import read_bandwidth
+from bench.commands.onnx_variants import held_out_bits_per_char, held_out_ids
 from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish
-from bench.onnx_variants import held_out_bits_per_char, held_out_ids
 from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import read_manifest, write_manifest
@@ -164,7 +164,7 @@ def emulated_quality(bundle: Path, graphs: list[str], cpu: str, held_out: tuple[
     with tempfile.TemporaryDirectory() as tmp:
         out, ids = Path(tmp) / "quality.json", Path(tmp) / "held_out.npz"
         np.savez(ids, data=held_out[0], chars=held_out[1])
-        cmd = [qemu, "-cpu", cpu, sys.executable, "-m", "bench.quantization", "--quality-of", str(bundle),
+        cmd = [qemu, "-cpu", cpu, sys.executable, "-m", "bench.commands.quantization", "--quality-of", str(bundle),
                "--graphs", ",".join(graphs), "--held-out", str(ids), "--quality-json", str(out), "--threads", "1"]
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         return json.loads(out.read_text())
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         source = args.bundle
         if args.gpt2_shape:
-            from bench.engine import random_bundle
+            from bench.commands.engine import random_bundle
 
             source = random_bundle(args.bundle, Path(tmp) / "gpt2-shape", **GPT2_SHAPE)
         work = Path(tmp) / "candidates"
@@ -265,9 +265,9 @@ def render_run(run: dict) -> str:
     lines += table(run["rows"], (QUALITY if quality else ()) + invariance + SPEED, run.get("exported"))
     if "read_gb_per_s" in run:
         lines += ["", f"Batch 1 against the memory-bandwidth bound: read bandwidth {run['read_gb_per_s']:.1f} GB/s "
-                      "(`bench.bandwidth.read_bandwidth`, every core, measured in the same run) over the bytes of "
-                      "weights a step reads (`bench.roofline.weight_bytes_per_token`: every initializer but the "
-                      "gathered embeddings and rotary tables).", ""]
+                      "(`bench.commands.bandwidth.read_bandwidth`, every core, measured in the same run) over the "
+                      "bytes of weights a step reads (`bench.roofline.weight_bytes_per_token`: every initializer but "
+                      "the gathered embeddings and rotary tables).", ""]
         lines += table(run["rows"], ROOFLINE, run.get("exported"))
     if run.get("emulated"):
         em = run["emulated"]

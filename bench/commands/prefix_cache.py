@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prefix_tokens + args.suffix_tokens + args.new_tokens > args.context:
         p.error("prefix + suffix + new tokens must fit the context")
-    from bench.engine import random_bundle  # needs torch: the model is built here
+    from bench.commands.engine import random_bundle  # needs torch: the model is built here
 
     rng = np.random.default_rng(args.seed)
     times: dict[str, list[float]] = {"cold": [], "warm": [], "off": []}

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.engine import throughput
+from bench.commands.engine import throughput
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine.core import Engine

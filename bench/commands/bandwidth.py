@@ -62,7 +62,7 @@ def markdown(result: dict) -> str:
         f"`attnserve bench bandwidth --mb {result['mb']} --rounds {result['rounds']}` on "
         f"{machine_line(result['machine'])}.", "",
         f"numpy over {result['mb']} MB float32 arrays, the median of {result['rounds']} interleaved rounds "
-        "(`bench/bandwidth.py`). A batch-1 decode step reads every weight once: its tokens/s is at most this "
+        "(`bench/commands/bandwidth.py`). A batch-1 decode step reads every weight once: its tokens/s is at most this "
         "bandwidth over its bytes of weights.", "",
         "| probe | GB/s |", "|---|---|",
         f"| read, one thread (`sum`) | {g['read_one_thread']:.1f} |",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "g2p-cmudict"
 BUNDLE = ROOT / "models" / "g2p-cmudict-onnx"
 PEER = ROOT / "bench" / "peers" / "seq2seq_peer.py"

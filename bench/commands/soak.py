@@ -28,8 +28,8 @@ import grpc
 
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
+from bench.commands.serve import DEFAULT_BUNDLE, model_info, to_request
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
-from bench.serve import DEFAULT_BUNDLE, model_info, to_request
 from service.client.grpc_client import CHANNEL_OPTIONS
 
 WARM_UP_S = 60.0

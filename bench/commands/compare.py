@@ -26,7 +26,7 @@ beside it and is neither ours nor a peer in a target: 32 gRPC streams ≥ 1.5× 
 aggregate tokens/s; batch 1 over gRPC ≥ 1.1× the best peer's; greedy agreement at least that of the
 class's fastest peer at 32 streams (exact rows and mean prefix); and at the GPT-2 124M shape, batch 1
 in-process ≥ 80% of the memory-bandwidth bound (`bench.roofline`: the graph's weight bytes per token
-over this machine's read bandwidth, `bench.bandwidth`).
+over this machine's read bandwidth, `bench.commands.bandwidth`).
 
 A missing peer is skipped with one line. It writes docs/bench/compare.json, docs/bench/compare.png (or
 both into --out) and the compare section of docs/BENCHMARKS.md.
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         infos.append(info)
     gb_per_s = args.bandwidth_gbps
     if gb_per_s is None and any(r["ours"] for r in rows):
-        from bench.bandwidth import read_bandwidth
+        from bench.commands.bandwidth import read_bandwidth
 
         gb_per_s = read_bandwidth(*((64, 1) if args.quick else ()))
     add_bounds(rows, {i["size"]: Path(i["bundle"]) for i in infos}, gb_per_s)

@@ -120,7 +120,7 @@ def held_out_bits_per_char(window_logits: Callable[[np.ndarray], np.ndarray], he
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv  # `python -m bench.onnx_variants` (make bench-onnx) too
+    argv = sys.argv[1:] if argv is None else argv  # `python -m bench.commands.onnx_variants` (make bench-onnx) too
     p = argparse.ArgumentParser(prog="attnserve bench onnx-variants", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     p.add_argument("--threads", type=int, default=2)
