@@ -2,7 +2,8 @@
 
 `describe()` is the machine as JSON: the CPU as `service.runtime.cpu` sees it (model, cores, and the flags
 that select onnxruntime's kernels), the Python, onnxruntime and numpy versions, the OS.
-`machine_line()` is the same in one line, for each benchmark's BENCHMARKS.md section.
+`machine_line()` is the same in one line, for each benchmark's BENCHMARKS.md section. `shown()` is a command
+line or a setting with its absolute paths made relative to the repo, as a section prints it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ def publish(name: str, result: dict, markdown: str, out: Path = RESULTS_DIR,
     if out.resolve() == RESULTS_DIR:
         for doc in docs:
             write_section(name, markdown, doc)
+
+
+def shown(text: str) -> str:
+    """`text` (a command line, a setting) as a BENCHMARKS.md section prints it: each absolute path in it (a
+    word starting with "/", or the value of `--flag=/...`) relative to the repo if inside it, else by its name
+    alone, so that no section names the machine's folders."""
+    return " ".join(_shown_word(word) for word in text.split(" "))
+
+
+def _shown_word(word: str) -> str:
+    flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
+    if not value.startswith("/"):
+        return word
+    path = Path(value)
+    for candidate in (path, path.resolve()):
+        if candidate.is_relative_to(ROOT):
+            return flag + eq + (candidate.relative_to(ROOT).as_posix() or ".")
+    return flag + eq + (path.name or value)
 
 
 def write_section(name: str, markdown: str, doc: Path = BENCH_DOC) -> None:

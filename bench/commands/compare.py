@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from bench import workload
-from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.peers.systems import GRAPHS, REFERENCE, Model, System, convert, measure, select, unavailable
 
 STREAMS = 32
@@ -371,13 +371,13 @@ def settings_lines(rows: list[dict]) -> list[str]:
             continue
         seen.add(r["key"])
         versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "python")
-        settings = "; ".join(f"{k}: {v}" for k, v in r["settings"].items() if v is not None)
+        settings = "; ".join(f"{k}: {shown(str(v))}" for k, v in r["settings"].items() if v is not None)
         lines.append(f"- {r['system']} {r['precision']} ({versions}): {settings}")
     return lines
 
 
 def render(r: dict, argv: list[str] | None) -> str:
-    cmd = "attnserve bench compare" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench compare" + (" " + " ".join(argv) if argv else ""))
     lines = ["## attnserve against the CPU engines, three sizes, one run", "",
              f"`{cmd}` on {machine_line(r['machine'])}; read bandwidth {_num(r['read_gb_per_s'], 1, '.1f')} GB/s.", "",
              "Every system in its own process, as its users install it, on the same weights (`attnserve export-hf`, "
@@ -400,7 +400,7 @@ def render(r: dict, argv: list[str] | None) -> str:
                   *table(rows), ""]
     lines += ["### Targets", "", *target_lines(r["targets"]), ""]
     if r["notes"]:
-        lines += ["### Skipped", "", *(f"- {n}" for n in r["notes"]), ""]
+        lines += ["### Skipped", "", *(f"- {shown(n)}" for n in r["notes"]), ""]
     lines += ["### Settings", "", *settings_lines(r["rows"]), "",
               "![batch 1 and 32 streams by system, one row per size](bench/compare.png)"]
     return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine.core import Engine
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(r: dict, argv: list[str] | None) -> str:
-    cmd = "attnserve bench engine" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench engine" + (" " + " ".join(argv) if argv else ""))
     lines = ["## Engine, in-process", "", f"`{cmd}` on {machine_line(r['machine'])}.", "",
              f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy new tokens each (ignore_eos), all "
              f"submitted at once; median of the runs. Matmul ceiling: fp32 1024×1024 in numpy, "

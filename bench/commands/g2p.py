@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "g2p-cmudict"
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(r: dict) -> str:
     m = r["machine"]
-    argv = " ".join(r["argv"])
+    argv = shown(" ".join(r["argv"]))
     lines = [f"`attnserve bench g2p{' ' + argv if argv else ''}` on {machine_line(m)}: {r['words']} held-out words "
              f"(the first {r['alone']} also alone), {r['rounds']} interleaved rounds, medians.", "",
              f"| system | alone, words/s | {r['concurrency']} at a time, words/s | same as PyTorch | WER | PER "
@@ -180,7 +180,7 @@ def render(r: dict) -> str:
                      f"{row['wer']:.1%} | {row['per']:.2%} | {row['peak_rss_bytes'] / 2**20:.0f} MiB |")
     lines += ["", "Settings:"]
     lines += [f"- {row['system']} {row['precision']} ({', '.join(f'{k} {v}' for k, v in row['versions'].items())}): "
-              + "; ".join(f"{k}: {v}" for k, v in row["settings"].items()) for row in r["rows"]]
+              + "; ".join(f"{k}: {shown(str(v))}" for k, v in row["settings"].items()) for row in r["rows"]]
     if r["skipped"]:
         lines.append(f"- skipped: {', '.join(r['skipped'])}: {r['skipped_because']}")
     return "\n".join(lines)

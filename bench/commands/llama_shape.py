@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.commands.engine import throughput
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine.core import Engine
 from service.runtime.bundle import BundleError
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(r: dict, argv: list[str] | None) -> str:
     s = r["shape"]
-    cmd = "attnserve bench llama-shape" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench llama-shape" + (" " + " ".join(argv) if argv else ""))
     lines = ["## A Llama-family model of a real size", "", f"`{cmd}` on {machine_line(r['machine'])}.", "",
              f"A random-weight `LlamaForCausalLM`: {s['layers']} layers, {s['heads']} heads, {s['kv_heads']} KV heads, "
              f"hidden {s['hidden']}, intermediate {s['intermediate']}, vocabulary {s['vocab']}, tied, context "

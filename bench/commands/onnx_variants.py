@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from model.training.data import load_corpus
 from model.training.scoring import bits_per_char, encode_documents, eval_batches, nll_sum
 from service.engine.config import DEFAULT_BUNDLE
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(r: dict, argv: list[str] | None) -> str:
-    cmd = "attnserve bench onnx-variants" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench onnx-variants" + (" " + " ".join(argv) if argv else ""))
     cols = [c for c in ("graph", "cache", "weights", "nodes", "size_mb", "decode_ms_b1", "val_bits_per_char")
             if c in r["rows"][0]]
     lines = ["## ONNX graph variants", "",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from bench.server_process import ServerProcess
 from service.client import Client
 from service.engine.config import DEFAULT_BUNDLE
@@ -103,7 +103,7 @@ def render(r: dict) -> str:
     shape = f"{s['layers']} layers, {s['hidden']} wide, {s['heads']} heads, vocab {s['vocab']}, context {s['context']}"
     cached = statistics.median(r["cached_tokens"]["warm"])
     lines = ["## Prefix caching: time to first token with a cached prefix", "",
-             f"`{r['command']}` on {machine_line(r['machine'])}.", "",
+             f"`{shown(r['command'])}` on {machine_line(r['machine'])}.", "",
              f"Random weights of {shape} (fp32 serving graph) over gRPC. Each of {r['rounds']} rounds sends a new "
              f"{r['prefix_tokens']}-token prefix with a {r['suffix_tokens']}-token suffix (cold: computed whole), "
              f"then the same prefix with another suffix (warm: the server reported {cached:.0f} prompt tokens from "

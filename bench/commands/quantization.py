@@ -44,7 +44,7 @@ import numpy as np
 
 from bench.commands.bandwidth import read_bandwidth
 from bench.commands.onnx_variants import held_out_bits_per_char, held_out_ids
-from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish
+from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import read_manifest, write_manifest
@@ -259,7 +259,7 @@ def table(rows: dict[str, dict], columns, exported: dict[str, str] | None = None
 
 def render_run(run: dict) -> str:
     quality = "bits_per_char" in run["rows"][REFERENCE]
-    lines = [f"#### {machine_line(run['machine'])}; {run['model']}", "", f"`{run['command']}`"
+    lines = [f"#### {machine_line(run['machine'])}; {run['model']}", "", f"`{shown(run['command'])}`"
              + (" (quick run: a subset, not a measurement)" if run["quick"] else "") + ".", ""]
     invariance = INVARIANCE if "batch_invariant" in run["rows"][REFERENCE] else ()
     lines += table(run["rows"], (QUALITY if quality else ()) + invariance + SPEED, run.get("exported"))

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 
 SHAPE = dict(layers=30, heads=9, kv_heads=3, hidden=576, intermediate=1536, vocab=8192, context=512)
 PLACEMENTS = {"RotaryEmbedding ops": False, "inside GroupQueryAttention": True}
@@ -83,7 +83,7 @@ def _bundle_of(model, bundle: Path) -> None:
 
 def render(r: dict, argv: list[str] | None) -> str:
     s = r["shape"]
-    cmd = "attnserve bench rotary-placement" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench rotary-placement" + (" " + " ".join(argv) if argv else ""))
     lines = ["## Rotary positions: inside the attention op, or before it", "",
              f"`{cmd}` on {machine_line(r['machine'])}.", "",
              f"A random Llama-style model: {s['layers']} layers, {s['heads']} heads, {s['kv_heads']} KV heads, hidden "

@@ -46,7 +46,7 @@ import grpc
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from bench.stagger import Stagger
 from bench.stats import RequestRecord, Summary, summarize
 from service.client.grpc_client import CHANNEL_OPTIONS
@@ -261,7 +261,7 @@ def result_name(r: dict) -> str:
 def render(r: dict, argv: list[str] | None) -> str:
     name = result_name(r)
     http = r.get("protocol") == "http"
-    cmd = "attnserve bench serve" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench serve" + (" " + " ".join(argv) if argv else ""))
     what = ("mixed: prompts 8–512 tokens, 16–256 new tokens, drawn from seed "
             f"{r['seed']} (clipped to the context)" if r["workload"] == "mixed"
             else f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens")

@@ -29,7 +29,7 @@ import grpc
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
 from bench.commands.serve import DEFAULT_BUNDLE, model_info, to_request
-from bench.machine import RESULTS_DIR, describe, machine_line, publish
+from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from service.client.grpc_client import CHANNEL_OPTIONS
 
 WARM_UP_S = 60.0
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(r: dict, argv: list[str] | None) -> str:
     v = r["verdict"]
-    cmd = "attnserve bench soak" + (" " + " ".join(argv) if argv else "")
+    cmd = shown("attnserve bench soak" + (" " + " ".join(argv) if argv else ""))
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     return "\n".join([
         "## Soak", "",

@@ -28,3 +28,10 @@ def test_results_elsewhere_leave_benchmarks_md_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(machine, "write_section", refuse)
     machine.publish("x", {"machine": machine.describe()}, "## x\n", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "x.json").read_text())["machine"] == machine.describe()
+
+
+def test_sections_print_paths_relative_to_the_repo_or_by_name():
+    cmd = (f"attnserve bench compare --work {machine.ROOT / 'runs' / 'compare'} --out=/tmp/pytest-7/results "
+           f"--bundle {machine.ROOT} --sizes gpt2-124m (stream settings at their defaults)")
+    assert machine.shown(cmd) == ("attnserve bench compare --work runs/compare --out=results --bundle . "
+                                  "--sizes gpt2-124m (stream settings at their defaults)")
