@@ -389,12 +389,13 @@ def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
 
 
 
-def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 3) -> tuple[dict, int]:
+def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 5) -> tuple[dict, int]:
     """The first row of each of `batches`, and the peak RSS. llama.cpp logs from a thread of its own and
     may exit before that thread prints the last lines (its log.cpp says so), so `cmd` ends with one more
-    batch whose row may be lost, and a run that still lost a row is run again."""
-    for _ in range(attempts):
-        rows, rss = run_batched_bench(cmd, log)
+    batch whose row may be lost, and a run that still lost a row is run again: from the third attempt
+    with `--poll 0`, so that its compute threads do not spin and the log thread gets a core."""
+    for attempt in range(attempts):
+        rows, rss = run_batched_bench(cmd + (["--poll", "0"] if attempt >= 2 else []), log)
         found = {b: next((row for row in rows if row["pl"] == b), None) for b in batches}
         if all(found.values()):
             return found, rss
@@ -427,6 +428,8 @@ def measure_batched_bench(bin_dir: Path, gguf: Path, spec: dict, threads: int, w
                 "s_tg_tokens_per_s": f"its S_TG: B × {n - 1} / T_TG, decode only",
                 "prompts": f"random ids, {pp} per sequence (its own; not the spec's ids)",
                 "ttft": None, "warm_up": "its own (one 16-token batch before timing)",
+                "retries": "a run whose rows llama.cpp's log thread lost is run again, from the third time with "
+                           "--poll 0",
                 "command": " ".join(Path(a).name if a.startswith("/") else a for a in cmd)}
     return {"system": "llama.cpp batched-bench", "settings": settings, "single": single, "streams": streams,
             "tokens": None, "single_tokens": None, "peak_rss_bytes": peak}
