@@ -389,7 +389,7 @@ def run_batched_bench(cmd: list[str], log: Path) -> tuple[list[dict], int]:
 
 
 
-def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 5) -> tuple[dict, int]:
+def batched_bench_rows(cmd: list[str], log: Path, batches: tuple[int, ...], attempts: int = 10) -> tuple[dict, int]:
     """The first row of each of `batches`, and the peak RSS. llama.cpp logs from a thread of its own and
     may exit before that thread prints the last lines (its log.cpp says so), so `cmd` ends with one more
     batch whose row may be lost, and a run that still lost a row is run again: from the third attempt
