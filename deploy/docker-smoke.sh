@@ -160,13 +160,15 @@ if not text or tokens != 8:
     sys.exit(f"want choices[0].text non-empty and usage.completion_tokens == 8: {body}")
 print(repr(text))') || { say "FAILED: POST /v1/completions on :$hport"; exit 1; }
 say "HTTP: /health 200; /v1/completions, 8 tokens: $completion"
-curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^attnserve_generated_tokens_total' ||
-    { say "FAILED: no metrics on :$mport"; exit 1; }
+# read whole, then search: with pipefail, `grep -q` closing the pipe early would fail curl (SIGPIPE)
+metrics=$(curl -sf "http://127.0.0.1:$mport/metrics" || true)
+grep -q '^attnserve_generated_tokens_total' <<<"$metrics" || { say "FAILED: no metrics on :$mport"; exit 1; }
 
 # ---- 6. SIGTERM: drain and exit 0 ----------------------------------------------------------------
 docker stop --time 30 "$CONTAINER" >/dev/null
 code=$(docker inspect -f '{{.State.ExitCode}}' "$CONTAINER")
-docker logs "$CONTAINER" 2>&1 | grep -q '"message": "stopped"' || { docker logs "$CONTAINER" >&2; say "FAILED: no drain"; exit 1; }
+logs=$(docker logs "$CONTAINER" 2>&1 || true)
+grep -q '"message": "stopped"' <<<"$logs" || { printf '%s\n' "$logs" >&2; say "FAILED: no drain"; exit 1; }
 [ "$code" = 0 ] || { docker logs "$CONTAINER" >&2; say "FAILED: exit code $code after SIGTERM"; exit 1; }
 say "SIGTERM: drained and exited 0"
 
