@@ -28,11 +28,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from service.fronts.http.errors import error_body
 from service.fronts.metrics import Metrics
+from service.fronts.status import HttpStatus
 
 log = logging.getLogger("attnserve.server")
 
@@ -50,14 +53,21 @@ class ConnectionLimits:
     write_timeout_s: float
 
 
-def raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
+def error_json(status: int, message: str, code: str) -> bytes:
+    """An error body in OpenAI's shape (`errors.error_body`), with the connection-level `code`."""
+    kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    body = error_body(HttpStatus(status, kind, message))
+    body["error"]["code"] = code
+    return json.dumps(body).encode()
+
+
+def raw_error(status: int, message: str, code: str, retry_after_s: int | None = None) -> bytes:
     """A whole HTTP/1.1 error response in OpenAI's shape that closes the connection, for the moments when
     no ASGI request exists to answer through."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                 "service_unavailable", "param": None, "code": code}}).encode()
+    body = error_json(status, message, code)
     retry = f"retry-after: {retry_after_s}\r\n" if retry_after_s else ""
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"{retry}connection: close\r\n\r\n")
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{retry}connection: close\r\n\r\n")
     return head.encode() + body
 
 
@@ -67,9 +77,10 @@ class ConnectionGuard:
         self.metrics = metrics
         self.open: set[GuardedH11Protocol] = set()
         self.silent: dict[GuardedH11Protocol, None] = {}  # open, no byte of a request received; oldest first
-        self.over_capacity = raw_error(
-            503, "Service Unavailable", f"the server holds its most connections ({limits.max_connections}, "
-            "max_connections); retry shortly", "service_unavailable", retry_after_s=1)
+        refusal = (f"the server holds its most connections ({limits.max_connections}, max_connections); "
+                   "retry shortly")
+        self.over_capacity_body = error_json(503, refusal, "service_unavailable")
+        self.over_capacity = raw_error(503, refusal, "service_unavailable", retry_after_s=1)
         guard = self
 
         class Protocol(GuardedH11Protocol):
@@ -170,11 +181,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         if self._oversized or len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:
-            response = raw_error(431, "Request Header Fields Too Large", f"the request line and headers exceed "
+            response = raw_error(431, f"the request line and headers exceed "
                                  f"{MAX_HEADER_BYTES} bytes", "request_header_fields_too_large")
             status = "431"
         else:
-            response = raw_error(400, "Bad Request", "the request is not valid HTTP/1.1", "invalid_request")
+            response = raw_error(400, "the request is not valid HTTP/1.1", "invalid_request")
             status = "400"
         self.guard.metrics.requests.labels("http", "other", status).inc()
         self.transport.write(response)
@@ -187,7 +198,7 @@ class GuardedH11Protocol(H11Protocol):
         if self._header_since is not None and now - self._header_since > self._header_limit:
             self._header_since = None
             if self._heard:
-                self.transport.write(raw_error(408, "Request Timeout", f"the request headers did not arrive within "
+                self.transport.write(raw_error(408, f"the request headers did not arrive within "
                                                f"{self._header_limit:g} s (header_timeout_s)", "timeout"))
             self.transport.close()
             self.guard.closed("header_timeout")
@@ -222,7 +233,6 @@ class _HealthOnly:
             await self.app(scope, receive, send_closing)
             return
         self.guard.closed("over_capacity")
-        body = self.guard.over_capacity.partition(b"\r\n\r\n")[2]
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"retry-after", b"1"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": self.guard.over_capacity_body})
