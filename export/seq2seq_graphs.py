@@ -89,16 +89,17 @@ class Seq2SeqBuilder(GraphBuilder):
         y = self.node("Reshape", [y, self.const(f"{out}_merge", np.array([0, 0, -1], np.int64))], [f"{out}_merged"])
         return self.linear(y, f"{prefix}.out_proj", out)
 
-    def project(self, x: str, prefix: str, rows: slice, out: str) -> str:
-        """x @ W[rows]ᵀ + b[rows]: the query, key or value part of a fused qkv_proj."""
+    def qkv_heads(self, x: str, prefix: str, part: str, out: str) -> str:
+        """The queries ("q"), keys ("k") or values ("v") of x through `prefix`'s fused qkv_proj, as heads:
+        (B, H, T, D), keys transposed to (B, H, D, T) for the attention's MatMul."""
+        d = self.config.d_model
+        rows = slice("qkv".index(part) * d, ("qkv".index(part) + 1) * d)
         w = self.weights[f"{prefix}.qkv_proj.weight"][rows]
         y = self.node("MatMul", [x, self.const(f"{out}_w", np.ascontiguousarray(w.T))], [f"{out}_mm"])
         b = self.weights.get(f"{prefix}.qkv_proj.bias")
-        return self.node("Add", [y, self.const(f"{out}_b", b[rows])], [out]) if b is not None else y
-
-    def kv_rows(self) -> tuple[slice, slice, slice]:
-        d = self.config.d_model
-        return slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d)
+        if b is not None:
+            y = self.node("Add", [y, self.const(f"{out}_b", b[rows])], [f"{out}_proj"])
+        return self.heads(y, [0, 2, 3, 1] if part == "k" else [0, 2, 1, 3], out)
 
     def sublayer(self, x: str, prefix: str, norm: int, branch, name: str) -> str:
         """Post-LN: Norm(x + F(x)); pre-LN: x + F(Norm(x))."""
@@ -151,14 +152,11 @@ def build_encoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
                        ["enc_positions"])  # rows 0 .. src_seq - 1 of the table
     x = b.embed("input_ids", positions, "enc")
     bias = b.source_bias("attention_mask", "src_bias")
-    q_rows, k_rows, v_rows = b.kv_rows()
     for i in range(c.n_encoder_layer):
         p = f"encoder.{i}"
 
         def self_attention(h: str, p=p, i=i) -> str:
-            q = b.heads(b.project(h, f"{p}.self_attn", q_rows, f"e{i}_q"), [0, 2, 1, 3], f"e{i}_qh")
-            k = b.heads(b.project(h, f"{p}.self_attn", k_rows, f"e{i}_k"), [0, 2, 3, 1], f"e{i}_kh")
-            v = b.heads(b.project(h, f"{p}.self_attn", v_rows, f"e{i}_v"), [0, 2, 1, 3], f"e{i}_vh")
+            q, k, v = (b.qkv_heads(h, f"{p}.self_attn", part, f"e{i}_{part}h") for part in "qkv")
             return b.attend(q, k, v, bias, f"{p}.self_attn", f"e{i}_attn")
 
         x = b.sublayer(x, p, 0, self_attention, f"e{i}_a")
@@ -167,8 +165,8 @@ def build_encoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
         x = b.layer_norm(x, "enc_norm", "memory")
     for i in range(c.n_decoder_layer):  # every decoder layer's keys (transposed) and values of the source
         p = f"decoder.{i}.cross_attn"
-        b.heads(b.project(x, p, k_rows, f"c{i}_k"), [0, 2, 3, 1], cross_out[2 * i])
-        b.heads(b.project(x, p, v_rows, f"c{i}_v"), [0, 2, 1, 3], cross_out[2 * i + 1])
+        b.qkv_heads(x, p, "k", cross_out[2 * i])
+        b.qkv_heads(x, p, "v", cross_out[2 * i + 1])
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "src_seq"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "src_seq"])]
     key, value = ["batch", b.H, b.D, "src_seq"], ["batch", b.H, "src_seq", b.D]
@@ -186,7 +184,6 @@ def build_decoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
     positions = b.node("Gather", [b.param("dec_pos_emb.weight"), "position_ids"], ["dec_positions"])
     x = b.embed("input_ids", positions, "dec")
     bias = b.source_bias("encoder_attention_mask", "cross_bias")
-    q_rows, _, _ = b.kv_rows()
     for i in range(c.n_decoder_layer):
         p = f"decoder.{i}"
 
@@ -199,7 +196,7 @@ def build_decoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
             return b.linear(attn, f"{p}.self_attn.out_proj", f"d{i}_sa_out")
 
         def cross_attention(h: str, p=p, i=i) -> str:
-            q = b.heads(b.project(h, f"{p}.cross_attn", q_rows, f"d{i}_cq"), [0, 2, 1, 3], f"d{i}_cqh")
+            q = b.qkv_heads(h, f"{p}.cross_attn", "q", f"d{i}_cqh")
             return b.attend(q, cross_in[2 * i], cross_in[2 * i + 1], bias, f"{p}.cross_attn", f"d{i}_ca")
 
         x = b.sublayer(x, p, 0, self_attention, f"d{i}_a")

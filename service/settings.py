@@ -28,57 +28,62 @@ class SettingsError(ValueError):
 
 
 class ServerSettings(BaseSettings, EngineConfig):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", use_attribute_docstrings=True)
 
-    host: str = Field("127.0.0.1", description="address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all "
-                                                       "interfaces)")
-    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
-    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port on the same host, the "
-                                                             "same engine (0 = no HTTP front)")
-    metrics_port: int = Field(9464, ge=0, le=65535,
-                              description="Prometheus /metrics HTTP port on the same host (0 = no metrics server)")
-    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest request message (gRPC) or "
-                                                                          "body (HTTP) accepted")
-    max_send_message_bytes: int = Field(16 * 2**20, ge=1024, description="largest response message sent")
-    max_connections: int = Field(
-        1000, ge=1, description="connections each front (gRPC, HTTP) serves at once; beyond it gRPC refuses new "
-                                "connections and HTTP answers 503 (GET /health is still answered on a few more)")
-    header_timeout_s: float = Field(
-        10.0, gt=0, description="a new connection must send its request headers (HTTP) or finish its handshake "
-                                "(gRPC) within this long, or it is closed")
-    body_timeout_s: float = Field(60.0, gt=0, description="an HTTP body must arrive within this long of its "
-                                                          "headers (408 beyond)")
-    idle_timeout_s: float = Field(
-        30.0, gt=0, description="a connection with no request in progress is closed after this long (HTTP "
-                                "keep-alive; gRPC max_connection_idle, sent as GOAWAY)")
-    write_timeout_s: float = Field(
-        30.0, gt=0, description="a response the client has not read for this long, with output waiting for it, "
-                                "is ended and its connection (HTTP) or stream (gRPC) closed")
-    max_connection_age_s: float = Field(
-        0.0, ge=0, description="gRPC: a connection is asked to go (GOAWAY) after this long, its calls given "
-                               "grace_period_s to finish, so that clients spread over new replicas (0 = never)")
-    stream_interval_ms: float = Field(
-        5.0, ge=0, le=1000, description="a stream message waits until its oldest token is this old (the first "
-                                        "token goes at once); 0 = no wait")
-    stream_tokens: int = Field(
-        0, ge=0, le=64, description="... and until it holds this many tokens: 0 = adaptive (1 while at most 8 "
-                                    "sequences run, then about 8 messages per model step in all)")
-    stream_max_delay_ms: float = Field(
-        50.0, ge=0, le=1000, description="longest a token waits for a message whatever the above (can be late "
-                                         "by one model step)")
-    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish")
-    warmup: bool = Field(True, description="run decode at every batch size and a few requests before reporting "
-                                           "SERVING")
-    tls_cert_file: Path | None = Field(None, description="PEM certificate chain of the server; with tls_key_file, "
-                                                          "the gRPC and HTTP ports speak TLS only")
-    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
-    tls_client_ca_file: Path | None = Field(
-        None, description="PEM CA certificate(s); when set, clients must present a certificate it signed (mutual TLS)")
-    auth_token: SecretStr | None = Field(
-        None, description="static bearer token every call but health must carry as 'authorization: Bearer <token>'")
-    auth_token_file: Path | None = Field(None, description="file holding the bearer token (instead of auth_token)")
-    log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+    host: str = "127.0.0.1"
+    """address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all interfaces)"""
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0 = any free port)"""
+    http_port: int = Field(8000, ge=0, le=65535)
+    """OpenAI-compatible HTTP port on the same host, the same engine (0 = no HTTP front)"""
+    metrics_port: int = Field(9464, ge=0, le=65535)
+    """Prometheus /metrics HTTP port on the same host (0 = no metrics server)"""
+    max_receive_message_bytes: int = Field(4 * 2**20, ge=1024)
+    """largest request message (gRPC) or body (HTTP) accepted"""
+    max_send_message_bytes: int = Field(16 * 2**20, ge=1024)
+    """largest response message sent"""
+    max_connections: int = Field(1000, ge=1)
+    """connections each front (gRPC, HTTP) serves at once; beyond it gRPC refuses new connections and HTTP answers
+    503 (GET /health is still answered on a few more)"""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """a new connection must send its request headers (HTTP) or finish its handshake (gRPC) within this long, or it
+    is closed"""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """an HTTP body must arrive within this long of its headers (408 beyond)"""
+    idle_timeout_s: float = Field(30.0, gt=0)
+    """a connection with no request in progress is closed after this long (HTTP keep-alive; gRPC
+    max_connection_idle, sent as GOAWAY)"""
+    write_timeout_s: float = Field(30.0, gt=0)
+    """a response the client has not read for this long, with output waiting for it, is ended and its connection
+    (HTTP) or stream (gRPC) closed"""
+    max_connection_age_s: float = Field(0.0, ge=0)
+    """gRPC: a connection is asked to go (GOAWAY) after this long, its calls given grace_period_s to finish, so that
+    clients spread over new replicas (0 = never)"""
+    stream_interval_ms: float = Field(5.0, ge=0, le=1000)
+    """a stream message waits until its oldest token is this old (the first token goes at once); 0 = no wait"""
+    stream_tokens: int = Field(0, ge=0, le=64)
+    """... and until it holds this many tokens: 0 = adaptive (1 while at most 8 sequences run, then about 8 messages
+    per model step in all)"""
+    stream_max_delay_ms: float = Field(50.0, ge=0, le=1000)
+    """longest a token waits for a message whatever the above (can be late by one model step)"""
+    grace_period_s: float = Field(20.0, ge=0)
+    """on SIGTERM/SIGINT, how long in-flight requests may finish"""
+    warmup: bool = True
+    """run decode at every batch size and a few requests before reporting SERVING"""
+    tls_cert_file: Path | None = None
+    """PEM certificate chain of the server; with tls_key_file, the gRPC and HTTP ports speak TLS only"""
+    tls_key_file: Path | None = None
+    """PEM private key of tls_cert_file"""
+    tls_client_ca_file: Path | None = None
+    """PEM CA certificate(s); when set, clients must present a certificate it signed (mutual TLS)"""
+    auth_token: SecretStr | None = None
+    """static bearer token every call but health must carry as 'authorization: Bearer <token>'"""
+    auth_token_file: Path | None = None
+    """file holding the bearer token (instead of auth_token)"""
+    log_format: Literal["text", "json"] = "text"
+    """log lines as text or as one JSON object each"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """least severe level logged"""
 
     @model_validator(mode="after")
     def _security_settings_fit_together(self) -> ServerSettings:
@@ -161,7 +166,7 @@ def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
         flag, env = flag_and_env(name)
         default = info.get_default(call_default_factory=True)
         shown = "unset" if default is None else str(default)
-        help_ = f"{info.description} [default: {shown}; env {env}]"
+        help_ = f"{' '.join(info.description.split())} [default: {shown}; env {env}]"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         if info.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)

@@ -1,29 +1,28 @@
 """The command line both conversions share (`attnserve import-hf`, `attnserve export-hf`): a source
-directory and `-o` the directory to write; `wrote <dir>` when done, one line saying why when refused."""
+directory and `-o` the directory to write; `wrote <dir>` when done, one line on stderr (exit code 2)
+saying why when refused."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 
-def conversion_parser(prog: str, description: str, source: str, source_help: str,
-                      out_help: str) -> argparse.ArgumentParser:
-    """`prog <source> -o <out>`."""
+def conversion_main(argv: list[str] | None, prog: str, description: str, source_help: str, out_help: str,
+                    convert: Callable[[str, str], Path], errors: tuple[type[Exception], ...]) -> int:
+    """`prog <source> -o <out>`: run `convert(source, out)` and print what it wrote; an error of `errors`
+    is reported as `prog: <source>: <why>`."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument(source, help=source_help)
+    p.add_argument("source", help=source_help)
     p.add_argument("-o", "--out", required=True, help=out_help)
-    return p
-
-
-def run_conversion(convert: Callable[[], Path], errors: tuple[type[Exception], ...],
-                   refused: Callable[[Exception], int]) -> int:
-    """Run `convert` and print what it wrote (exit code 0); an error of `errors` goes to `refused`, which
-    reports it and gives the exit code."""
+    args = p.parse_args(argv)
     try:
-        out = convert()
+        out = convert(args.source, args.out)
     except errors as e:
-        return refused(e)
+        why = f"missing config key {e}" if isinstance(e, KeyError) else str(e)
+        print(f"{prog}: {args.source}: {why}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0

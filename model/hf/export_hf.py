@@ -21,7 +21,6 @@ our weights through it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -32,7 +31,7 @@ from safetensors.torch import save_file
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_model_dir, load_seq2seq_dir
 from model.config import GPTConfig
 from model.hf import bart, llama
-from model.hf.cli import conversion_parser, run_conversion
+from model.hf.cli import conversion_main
 from model.hf.import_hf import BLOCK_MAP, TOP_MAP
 from model.seq2seq_config import is_seq2seq
 from service.runtime.tokenizer import EOS_TOKEN, Tokenizer
@@ -219,20 +218,10 @@ def export_hf(model_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return conversion_parser("attnserve export-hf", __doc__.split("\n\n")[0], "model_dir",
-                             "attnserve model directory (config.json, model.safetensors, tokenizer.json)",
-                             "Hugging Face directory to write")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def refused(e: Exception) -> int:
-        print(f"attnserve export-hf: {e}")
-        return 1
-
-    return run_conversion(lambda: export_hf(args.model_dir, args.out), (FileNotFoundError, ValueError), refused)
+    return conversion_main(argv, "attnserve export-hf", __doc__.split("\n\n")[0],
+                           "attnserve model directory (config.json, model.safetensors, tokenizer.json)",
+                           "Hugging Face directory to write", export_hf, (FileNotFoundError, ValueError))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ matrices are transposed. Every other tensor maps one to one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ from model.checkpoint import save_model_dir
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.hf import bart, llama
-from model.hf.cli import conversion_parser, run_conversion
+from model.hf.cli import conversion_main
 from model.seq2seq import EncoderDecoder
 from service.runtime.bundle import TOKENIZER_EXTRAS
 from service.runtime.tokenizer import Tokenizer
@@ -41,20 +39,11 @@ from service.runtime.tokenizer import Tokenizer
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
 # (HF name under a block, our name under a block, transpose?)
-BLOCK_MAP = [
-    ("ln_1.weight", "ln_1.weight", False),
-    ("ln_1.bias", "ln_1.bias", False),
-    ("attn.c_attn.weight", "attn.qkv_proj.weight", True),
-    ("attn.c_attn.bias", "attn.qkv_proj.bias", False),
-    ("attn.c_proj.weight", "attn.out_proj.weight", True),
-    ("attn.c_proj.bias", "attn.out_proj.bias", False),
-    ("ln_2.weight", "ln_2.weight", False),
-    ("ln_2.bias", "ln_2.bias", False),
-    ("mlp.c_fc.weight", "ffn.fc_in.weight", True),
-    ("mlp.c_fc.bias", "ffn.fc_in.bias", False),
-    ("mlp.c_proj.weight", "ffn.fc_out.weight", True),
-    ("mlp.c_proj.bias", "ffn.fc_out.bias", False),
-]
+BLOCK_MAP = [(f"{hf}.{param}", f"{ours}.{param}", conv1d and param == "weight")
+             for hf, ours, conv1d in [("ln_1", "ln_1", False), ("attn.c_attn", "attn.qkv_proj", True),
+                                      ("attn.c_proj", "attn.out_proj", True), ("ln_2", "ln_2", False),
+                                      ("mlp.c_fc", "ffn.fc_in", True), ("mlp.c_proj", "ffn.fc_out", True)]
+             for param in ("weight", "bias")]  # GPT-2's Conv1D stores its weights transposed
 TOP_MAP = [("wte.weight", "tok_emb.weight"), ("wpe.weight", "pos_emb.weight"),
            ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
 
@@ -194,21 +183,10 @@ def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return conversion_parser("attnserve import-hf", __doc__.split("\n\n")[0], "src",
-                             "local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, BART)",
-                             "attnserve model directory to write")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def refused(e: Exception) -> int:
-        what = f"missing config key {e}" if isinstance(e, KeyError) else str(e)
-        print(f"attnserve import-hf: {args.src}: {what}", file=sys.stderr)
-        return 2
-
-    return run_conversion(lambda: import_hf(args.src, args.out), (ValueError, FileNotFoundError, KeyError), refused)
+    return conversion_main(argv, "attnserve import-hf", __doc__.split("\n\n")[0],
+                           "local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, BART)",
+                           "attnserve model directory to write", import_hf, (ValueError, FileNotFoundError, KeyError))
 
 
 if __name__ == "__main__":

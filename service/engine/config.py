@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.runtime.bundle import AUTO_GRAPH
 
@@ -13,34 +13,42 @@ DEFAULT_BUNDLE = Path(__file__).resolve().parents[2] / "models" / "shakespeare-o
 
 
 class EngineConfig(BaseModel):
-    bundle: Path = Field(DEFAULT_BUNDLE, description="ONNX bundle directory (attnserve export)")
-    graph: str = Field(AUTO_GRAPH, description="graph to serve; auto = the fastest of the bundle's serving graphs "
-                                               "that passes the start-up self-check on this CPU")
-    allow_low_agreement: bool = Field(
-        False, description="serve the graph named by graph even if it fails the start-up agreement check with the "
-                           "fp32 graph (a warning says so); for benchmarking untrained weights. Ignored by auto")
-    providers: Literal["auto", "cpu", "cuda"] = Field(
-        "cpu", description="onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); "
-                           "off the CPU the graph must reproduce the CPU at start-up")
-    threads: int = Field(0, ge=0, description="onnxruntime threads per operator; 0 = one per core")
-    max_running: int = Field(64, ge=1, description="sequences decoded together (KV cache slots)")
-    max_waiting: int = Field(256, ge=0, description="requests queued beyond max_running; more get RESOURCE_EXHAUSTED")
-    max_batch_tokens: int = Field(
-        512, ge=2, description="tokens per model step: one per running sequence plus prompt prefill")
-    max_context: int | None = Field(
-        None, ge=2, description="positions each KV cache slot holds: the longest prompt + completion served; "
-                                "unset = the model context (a smaller one reserves less memory per sequence)")
-    kv_cache_bytes: int | None = Field(
-        None, ge=1, description="cap on KV cache memory; unset = max_running slots of max_context positions")
-    prefix_caching: bool = Field(
-        True, description="keep the keys and values of prompt prefixes for later requests that start with them")
-    prefix_cache_tokens: int | None = Field(
-        None, ge=0, description="positions the prefix cache keeps (in blocks of 16), counted in kv_cache_bytes; "
-                                "unset = 4 full contexts")
-    max_new_tokens: int | None = Field(
-        None, ge=1, description="limit on a request's max_new_tokens; unset = the model context - 1")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="limit on prompt tokens; unset = the context - 1")
-    default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens of a request that leaves it 0")
+    model_config = ConfigDict(use_attribute_docstrings=True)  # each field's docstring is its description
+
+    bundle: Path = DEFAULT_BUNDLE
+    """ONNX bundle directory (attnserve export)"""
+    graph: str = AUTO_GRAPH
+    """graph to serve; auto = the fastest of the bundle's serving graphs that passes the start-up self-check on this
+    CPU"""
+    allow_low_agreement: bool = False
+    """serve the graph named by graph even if it fails the start-up agreement check with the fp32 graph (a warning
+    says so); for benchmarking untrained weights. Ignored by auto"""
+    providers: Literal["auto", "cpu", "cuda"] = "cpu"
+    """onnxruntime execution provider: cpu, cuda, or auto (cuda where onnxruntime offers it); off the CPU the graph
+    must reproduce the CPU at start-up"""
+    threads: int = Field(0, ge=0)
+    """onnxruntime threads per operator; 0 = one per core"""
+    max_running: int = Field(64, ge=1)
+    """sequences decoded together (KV cache slots)"""
+    max_waiting: int = Field(256, ge=0)
+    """requests queued beyond max_running; more get RESOURCE_EXHAUSTED"""
+    max_batch_tokens: int = Field(512, ge=2)
+    """tokens per model step: one per running sequence plus prompt prefill"""
+    max_context: int | None = Field(None, ge=2)
+    """positions each KV cache slot holds: the longest prompt + completion served; unset = the model context (a
+    smaller one reserves less memory per sequence)"""
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    """cap on KV cache memory; unset = max_running slots of max_context positions"""
+    prefix_caching: bool = True
+    """keep the keys and values of prompt prefixes for later requests that start with them"""
+    prefix_cache_tokens: int | None = Field(None, ge=0)
+    """positions the prefix cache keeps (in blocks of 16), counted in kv_cache_bytes; unset = 4 full contexts"""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """limit on a request's max_new_tokens; unset = the model context - 1"""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """limit on prompt tokens; unset = the context - 1"""
+    default_max_new_tokens: int = Field(64, ge=1)
+    """max_new_tokens of a request that leaves it 0"""
 
     @model_validator(mode="after")
     def _budget_leaves_room_for_prefill(self) -> EngineConfig:

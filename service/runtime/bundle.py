@@ -6,7 +6,7 @@
                                an imported checkpoint's, when it had them (special tokens, chat template, EOS ids)
     <bundle>/model.onnx        the decoder graph (fp32); variants beside it (see `graphs`)
 
-`read_manifest` reads and checks the manifest; `service.runtime.session.open_graph` checks the rest
+`read_manifest` reads and checks the manifest; `service.runtime.session.GraphRunner` checks the rest
 before serving starts (the graph file, its inputs and outputs, the tokenizer). Each problem raises
 `BundleError` with a one-line cause.
 """

@@ -10,19 +10,16 @@ prefill or decode step of the bundle's decoder graph. The cache is a list of 2·
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from service.runtime.session import Provider, open_graph
+from service.runtime.session import GraphRunner
 
 
-class ConcatRunner:
-    def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
-                 intra_op_threads: int = 0, inter_op_threads: int = 1):
-        g = open_graph(bundle_dir, graph, "concat", provider, intra_op_threads, inter_op_threads)
-        self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
-        self.tokenizer, self.session = g.tokenizer, g.session
+class ConcatRunner(GraphRunner):
+    CACHE = "concat"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.cache_dtype = np.dtype(self.spec.dtype)
 
     @property

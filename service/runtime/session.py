@@ -1,6 +1,6 @@
 """Loading a bundle graph into an onnxruntime session, with one-line errors. numpy only, no torch.
 
-Both runners go through `open_graph`: it reads the manifest, picks the graph, checks the
+Both runners subclass `GraphRunner`: it reads the manifest, picks the graph, checks the
 tokenizer belongs to the model, creates the session and checks the graph's inputs and outputs
 against the bundle contract, raising `BundleError` with the cause.
 """
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import onnxruntime as ort
 
@@ -101,32 +100,30 @@ def check_io(session: ort.InferenceSession, spec: GraphSpec, n_layer: int, kind:
             raise BundleError(f"{spec.file} {kind} do not match the bundle contract: {detail}")
 
 
-@dataclass
-class OpenGraph:
-    bundle_dir: Path
-    manifest: Manifest
-    graph_name: str
-    spec: GraphSpec
-    tokenizer: Tokenizer
-    session: ort.InferenceSession
+class GraphRunner:
+    """A bundle graph opened for running: its manifest, tokenizer and onnxruntime session. A runner
+    subclasses it and names the KV cache layout its graph has (`CACHE`)."""
 
+    CACHE: ClassVar[CacheLayout]
 
-def open_graph(bundle_dir: str | Path, graph: str | None, cache: CacheLayout, provider: Provider = "auto",
-               intra_op_threads: int = 0, inter_op_threads: int = 1) -> OpenGraph:
-    """Open `graph` (default: the bundle's preferred graph with this cache layout)."""
-    bundle_dir = Path(bundle_dir)
-    manifest = read_manifest(bundle_dir)
-    name = graph or manifest.preferred_graph(cache)
-    if name not in manifest.graphs:
-        raise BundleError(f"graph {name!r} is not in the bundle; it has {sorted(manifest.graphs)}")
-    spec = manifest.graphs[name]
-    if spec.cache != cache:
-        listing = ", ".join(f"{k} ({v.cache})" for k, v in manifest.graphs.items())
-        raise BundleError(f"graph {name!r} has a {spec.cache} KV cache; this runner needs a {cache} one "
-                          f"(graphs in the bundle: {listing})")
-    tokenizer = load_tokenizer(bundle_dir, manifest)
-    session = create_session(bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
-    check_io(session, spec, manifest.model.n_layer, manifest.model.kind)
-    log.info("onnxruntime %s: %s graph %s (%s cache) on %s (intra-op threads %s)", ort.__version__,
-             manifest.model.name, name, cache, session.get_providers()[0], intra_op_threads or "default")
-    return OpenGraph(bundle_dir, manifest, name, spec, tokenizer, session)
+    def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
+                 intra_op_threads: int = 0, inter_op_threads: int = 1):
+        """Open `graph` (default: the bundle's preferred graph with this runner's cache layout)."""
+        self.bundle_dir = Path(bundle_dir)
+        self.manifest = read_manifest(self.bundle_dir)
+        self.graph_name = name = graph or self.manifest.preferred_graph(self.CACHE)
+        graphs = self.manifest.graphs
+        if name not in graphs:
+            raise BundleError(f"graph {name!r} is not in the bundle; it has {sorted(graphs)}")
+        self.spec = graphs[name]
+        if self.spec.cache != self.CACHE:
+            listing = ", ".join(f"{k} ({v.cache})" for k, v in graphs.items())
+            raise BundleError(f"graph {name!r} has a {self.spec.cache} KV cache; this runner needs a {self.CACHE} "
+                              f"one (graphs in the bundle: {listing})")
+        self.tokenizer = load_tokenizer(self.bundle_dir, self.manifest)
+        self.session = create_session(self.bundle_dir / self.spec.file, provider, intra_op_threads,
+                                      inter_op_threads)
+        m = self.manifest.model
+        check_io(self.session, self.spec, m.n_layer, m.kind)
+        log.info("onnxruntime %s: %s graph %s (%s cache) on %s (intra-op threads %s)", ort.__version__, m.name,
+                 name, self.CACHE, self.session.get_providers()[0], intra_op_threads or "default")

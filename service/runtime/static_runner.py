@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.runtime.bundle import BundleError
-from service.runtime.session import Provider, open_graph
+from service.runtime.session import GraphRunner, Provider
 
 # onnxruntime's GroupQueryAttention computes a call's queries in tiles of this many; a last tile of one
 # query rounds differently from the same query inside a tile (measured: docs/engine.md)
@@ -49,12 +49,12 @@ class CacheShape:
         return 2 * self.n_layer * self.n_head * self.max_seq * self.d_head * np.dtype(self.dtype).itemsize
 
 
-class StaticRunner:
+class StaticRunner(GraphRunner):
+    CACHE = "static"
+
     def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
                  intra_op_threads: int = 0, inter_op_threads: int = 1):
-        g = open_graph(bundle_dir, graph, "static", provider, intra_op_threads, inter_op_threads)
-        self.bundle_dir, self.manifest, self.graph_name, self.spec = g.bundle_dir, g.manifest, g.graph_name, g.spec
-        self.tokenizer, self.session = g.tokenizer, g.session
+        super().__init__(bundle_dir, graph, provider, intra_op_threads, inter_op_threads)
         m = self.manifest.model
         if m.encoder_decoder and type(self) is StaticRunner:
             raise BundleError(f"{self.bundle_dir} holds an encoder-decoder model: its decoder graph needs the "

@@ -45,8 +45,8 @@ def test_export_then_import_gives_back_the_same_weights(tiny_model_dir, tmp_path
 def test_models_gpt2_cannot_express_are_refused(tiny_tokenizer, tmp_path, capsys):
     model = make_model(vocab_size=tiny_tokenizer.vocab_size, pos_encoding="sinusoidal")
     save_model_dir(model, tiny_tokenizer, tmp_path / "sin")
-    assert main([str(tmp_path / "sin"), "-o", str(tmp_path / "hf")]) == 1
-    assert "learned positions" in capsys.readouterr().out
+    assert main([str(tmp_path / "sin"), "-o", str(tmp_path / "hf")]) == 2
+    assert "learned positions" in capsys.readouterr().err
     cfg = json.loads((tmp_path / "sin" / "config.json").read_text())
     assert cfg["pos_encoding"] == "sinusoidal"
 
@@ -119,5 +119,5 @@ def test_a_model_neither_family_expresses_is_refused(tiny_tokenizer, tmp_path, c
     with pytest.raises(ValueError, match="neither a GPT-2 nor a Llama"):
         architecture(model.config)
     save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
-    assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 1
-    assert message in capsys.readouterr().out
+    assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
+    assert message in capsys.readouterr().err

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -61,14 +62,28 @@ class HttpFront:
         self.state = state
         self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
         routes = [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            self._route("POST", "/v1/completions", self.completions),
+            self._route("POST", "/v1/chat/completions", self.chat_completions),
+            self._route("GET", "/v1/models", self.models),
+            self._route("GET", "/v1/models/{model:path}", self.model),
             Route("/health", self.health, methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
         self.app = BearerGuard(app, token, state)
+
+    def _route(self, method: str, path: str, handler: Callable[[Request, Call], Awaitable[Response]]) -> Route:
+        """A counted endpoint: its call is measured under `path` (parameters unnamed by type), and whatever
+        `handler` raises becomes the error response."""
+        label = re.sub(r":\w+}", "}", path)
+
+        async def endpoint(request: Request) -> Response:
+            call = Call(self.state, "http", label)
+            try:
+                return await handler(request, call)
+            except Exception as e:
+                return self._failed(call, e)
+
+        return Route(path, endpoint, methods=[method])
 
     # ---- endpoints ------------------------------------------------------------------------------
 
@@ -77,89 +92,73 @@ class HttpFront:
         status = "serving" if s.serving else "loading" if s.engine is None else "draining"
         return JSONResponse({"status": status}, status_code=200 if s.serving else 503)
 
-    async def models(self, request: Request) -> Response:
-        call = Call(self.state, "http", "/v1/models")
-        try:
-            return self._ok(call, JSONResponse({"object": "list", "data": [self._model_card()]}))
-        except Exception as e:
-            return self._failed(call, e)
+    async def models(self, request: Request, call: Call) -> Response:
+        return self._ok(call, JSONResponse({"object": "list", "data": [self._model_card()]}))
 
-    async def model(self, request: Request) -> Response:
-        call = Call(self.state, "http", "/v1/models/{model}")
-        try:
-            check_model(request.path_params["model"], self.state)
-            return self._ok(call, JSONResponse(self._model_card()))
-        except Exception as e:
-            return self._failed(call, e)
+    async def model(self, request: Request, call: Call) -> Response:
+        check_model(request.path_params["model"], self.state)
+        return self._ok(call, JSONResponse(self._model_card()))
 
-    async def completions(self, request: Request) -> Response:
-        call = Call(self.state, "http", "/v1/completions")
-        try:
-            body, size = await read_body(request, CompletionRequest, self.state)
-            if body.echo and body.logprobs is not None:
-                raise InvalidRequest("echo", "echo with logprobs needs the prompt's logprobs, which this server "
-                                     "does not compute; ask for one or the other")
-            facts = self.state.model
-            renames = {"top_logprobs": "logprobs"}
-            prompts = body.prompts()
+    async def completions(self, request: Request, call: Call) -> Response:
+        body, size = await read_body(request, CompletionRequest, self.state)
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequest("echo", "echo with logprobs needs the prompt's logprobs, which this server "
+                                 "does not compute; ask for one or the other")
+        facts = self.state.model
+        renames = {"top_logprobs": "logprobs"}
+        prompts = body.prompts()
 
-            def accept_all() -> list[AcceptedRequest]:
-                accepted_requests = []
-                for prompt in prompts:
-                    if isinstance(prompt, str):
-                        text, ids = prompt, []
-                    else:
-                        text, ids = "", usable_prompt_ids(prompt, False, facts)
-                    fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
-                              "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
-                              "echo": bool(body.echo)}
-                    accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                                          facts, renames, request))
-                return accepted_requests
+        def accept_all() -> list[AcceptedRequest]:
+            accepted_requests = []
+            for prompt in prompts:
+                if isinstance(prompt, str):
+                    text, ids = prompt, []
+                else:
+                    text, ids = "", usable_prompt_ids(prompt, False, facts)
+                fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
+                          "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
+                          "echo": bool(body.echo)}
+                accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                                      facts, renames, request))
+            return accepted_requests
 
-            heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
-            accepted_requests = await _off_loop(heavy, accept_all)
-            logs.request_id.set(accepted_requests[0].request_id)
-            builder = CompletionBuilder(self._served_name(), accepted_requests, self.state.texts,
-                                        self._include_usage(body))
-            return await self._generate(request, call, accepted_requests, builder, bool(body.stream), renames)
-        except Exception as e:
-            return self._failed(call, e)
+        heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
+        accepted_requests = await _off_loop(heavy, accept_all)
+        logs.request_id.set(accepted_requests[0].request_id)
+        builder = CompletionBuilder(self._served_name(), accepted_requests, self.state.texts,
+                                    self._include_usage(body))
+        return await self._generate(request, call, accepted_requests, builder, bool(body.stream), renames)
 
-    async def chat_completions(self, request: Request) -> Response:
-        call = Call(self.state, "http", "/v1/chat/completions")
-        try:
-            body, size = await read_body(request, ChatCompletionRequest, self.state)
-            template = self._chat_template()
-            facts = self.state.model
-            conversation = body.conversation()
+    async def chat_completions(self, request: Request, call: Call) -> Response:
+        body, size = await read_body(request, ChatCompletionRequest, self.state)
+        template = self._chat_template()
+        facts = self.state.model
+        conversation = body.conversation()
 
-            def render() -> list[int]:
-                try:
-                    text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
-                except ChatTemplateError as e:
-                    raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
-                if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
-                    raise InvalidRequest("messages", f"{len(text)} characters cannot fit the model context of "
-                                         f"{facts.n_ctx} tokens")
-                return facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+        def render() -> list[int]:
+            try:
+                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
+            if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
+                raise InvalidRequest("messages", f"{len(text)} characters cannot fit the model context of "
+                                     f"{facts.n_ctx} tokens")
+            return facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
 
-            ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
-            if not ids:
-                raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
-            fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
-                      "top_logprobs": body.top_logprobs or 0,
-                      "logprobs": bool(body.logprobs)}
-            renames = {"prompt": "messages",
-                       "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
-                       and body.max_tokens is None else "max_tokens"}
-            max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-            accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
-            logs.request_id.set(accepted.request_id)
-            builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body))
-            return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
-        except Exception as e:
-            return self._failed(call, e)
+        ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
+        if not ids:
+            raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
+        fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
+                  "top_logprobs": body.top_logprobs or 0,
+                  "logprobs": bool(body.logprobs)}
+        renames = {"prompt": "messages",
+                   "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
+                   and body.max_tokens is None else "max_tokens"}
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
+        logs.request_id.set(accepted.request_id)
+        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body))
+        return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
 
     # ---- generation -----------------------------------------------------------------------------
 
