@@ -10,28 +10,8 @@ the gRPC request field for field (`timeout` is the server-side deadline the gRPC
 The client is httpx2 (what the openai client is built on), with its own SSE parser and one keep-alive
 connection per concurrent client, opened before the clock starts as the gRPC channel is.
 
-How a stream becomes a `RequestRecord` (`bench.stats`), and what is exact:
-
-- **Arrivals, TTFT, ITL, end-to-end** are exact. Each completion chunk is one stream message, the
-  server's batch of one or more tokens (the streaming cadence both fronts share), so a chunk is one
-  arrival, as a gRPC message is: TTFT is send → first chunk, ITL the gaps between chunks.
-- **Tokens per request** are exact: the usage chunk's `completion_tokens`. The `short` check and
-  TPOT (first to last arrival over the request's tokens) use it.
-- **Tokens per chunk** are an estimate. A chunk carries text, not token ids (only `logprobs` would
-  name its tokens, and asking for them makes the server compute a log-softmax per token, so the load
-  would no longer be the gRPC one). The request's exact total is split over its chunks in proportion
-  to their characters, at least one token each (every chunk has one). Only the steady-window
-  throughput reads tokens per chunk, and only for the requests that straddle the window's edges: the
-  tokens of a request wholly inside it are exact.
-- **The stagger** (`bench.stagger`) needs client 0's progress while its first request runs, before
-  any usage arrives: each chunk counts as its characters × the tokens per character of the requests
-  finished so far (the warm-up request's, then every one's), at least one.
-- **Errors** are the HTTP status code: of the response (`400`, `429`, `503`, ...), or the status of
-  an `error` event sent after the stream began (its OpenAI `type` mapped back through
-  `service.fronts.status`: `timeout_error` is `408`). A stream that ends without `[DONE]` or without
-  its usage is `incomplete`; a transport failure is the httpx2 exception's name (`ReadTimeout`).
-
-The server's own TTFT and queue time are not in the HTTP usage, so those columns stay empty here.
+What of its figures is exact, and how a stream becomes a record:
+docs/BENCHMARKS.md#how-the-http-load-is-measured.
 """
 
 from __future__ import annotations

@@ -11,56 +11,10 @@
   vocabulary 49152, context 2048, tied embeddings, rope_theta 100000), random weights, a
   `LlamaForCausalLM` for the peers.
 
-Each size is an attnserve model directory, the same weights as a Hugging Face directory
-(`attnserve export-hf`: config.json with n_ctx for GPT-2, model.safetensors, tokenizer.json,
-tokenizer_config.json, generation_config.json), and a bundle with the serving graphs "static" (fp32,
-checked against PyTorch with `export.verify.verify_static`), "static-int8" (activations quantized per
-row: batch-invariant), "static-int8-per-tensor" (onnxruntime's dynamic INT8, one activation scale per
-batch: the former INT8 graph, measured beside it), and "static-int4" when `export_bundle` can write
-it. `prepare` builds them under `work/<size>/` once and reuses them while the stamp
-`work/<size>/prepared.json` matches what would be built.
-
-Random weights. At the usual initialisation (std 0.02 everywhere) a random model with a tied head
-repeats itself under greedy decoding: the last token's embedding dominates the final residual
-stream, and its dot product with itself (or a near neighbour's) wins; greedy output cycles through
-2-3 tokens. Here every matrix is drawn with std 1/sqrt(fan_in); the embeddings (also the output head)
-have norm EMBEDDING_NORM, so the logits have a standard deviation of about 4; and `INIT` scales three
-things per size: the query and key weights (sharper attention: the next token depends on the context),
-the residual branches' output projections, and GPT-2's learned positions (the next token depends on
-the position). Biases are N(0, 0.02²); norm gains stay 1. Seeds are fixed.
-
-Liveliness and chaos pull against each other. Sharp attention and full-strength branches give a model
-whose greedy text never repeats, but also one that amplifies any perturbation: at qk gain 2.5 and
-branch scale 1, 8-bit weights changed fp32's top-1 token at 73% of positions (4-bit: 95%), so every
-quantised engine's greedy text left fp32's within a few tokens and the comparison of precisions said
-nothing. A trained model is both varied and robust (the shipped one: 97% top-1 agreement for INT8, 90%
-for 4-bit). `INIT` is the point of a sweep (simulated per-channel 7-bit weights with 8-bit activations,
-and 4-bit blocks of 32, teacher-forced along fp32's greedy text, 2 x 112 positions) where the
-agreement is close to the trained model's while greedy decoding still never repeats one token:
-
-    size           qk gain  branch  positions  8-bit  4-bit  distinct tokens per row (simulated run)
-    gpt2-124m      2.5      1       1          20%    6%     78, 85
-    gpt2-124m      2.0      0.6     1          92%    71%    7, 29
-    gpt2-124m      1.5      0.5     3          97%    92%    8, 7          <- INIT
-    smollm2-135m   2.0      0.5     -          11%    1%     86, 88
-    smollm2-135m   1.5      0.35    -          90%    66%    8, 8
-    smollm2-135m   1.5      0.5     -          97%    69%    5, 2          <- INIT
-
-The 30-layer model turns chaotic between gain 1.5 and 2, and no point of the sweep keeps its 4-bit
-agreement near 80%. On the start-up self-check's probe (text the fp32 graph samples at temperature 1),
-the built models measure: gpt2-124m INT8 97.7%, 4-bit 81.8% (served); smollm2-135m INT8 79.1%, 4-bit
-40.4% (refused: the bars are 90% and 80%), so at that size only the fp32 graph of attnserve runs.
-`liveliness` checks every build (greedy decoding of 4 random 16-token prompts, 128 new tokens each, on
-the PyTorch model) and the stamp records it; `prepare` refuses a model with fewer than MIN_DISTINCT
-distinct tokens in a row.
-
-Tokenizers. The random models need a tokenizer with their exact vocabulary for the peers to load.
-It is a standard GPT-2-style byte-level BPE (GPT-2's pre-tokenizer, `<|endoftext|>` = id 0) trained
-with Hugging Face `tokenizers` on the whole Shakespeare corpus (`model.training.data`); the trainer stops at
-47,854 tokens, when every word of the corpus is one token, so the ids above that are reserved
-tokens `<reserved_N>` (added, not special: they encode and decode as their text). A vocabulary no
-larger than the shipped model's (the tests' tiny shapes) is the shipped BPE truncated, which is the
-BPE the trainer would have stopped at.
+Each size is an attnserve model directory, the same weights as a Hugging Face directory and a bundle
+of the serving graphs, built once under `work/<size>/` and reused while its stamp matches. How the
+random weights are drawn so that greedy text stays varied and quantisation stays meaningful, and the
+tokenizer of the random sizes: docs/BENCHMARKS.md#how-the-model-sizes-are-built.
 """
 
 from __future__ import annotations

@@ -19,14 +19,7 @@ slow drift of the machine falls on every system alike. The table shows medians o
 each system, greedy agreement with fp32 transformers (rows of the 32 identical to its, and the mean
 length of the common prefix).
 
-Targets, per size and precision class (fp32: fp32 and f32; 8-bit: int8 and q8_0; 4-bit: int4 against
-q4_0), from the same run, with attnserve's int8 (activations quantized per row) as its 8-bit row;
-int8-per-tensor, the former INT8 graph (one activation scale per batch), is shown in the 8-bit class
-beside it and is neither ours nor a peer in a target: 32 gRPC streams ≥ 1.5× the best peer's
-aggregate tokens/s; batch 1 over gRPC ≥ 1.1× the best peer's; greedy agreement at least that of the
-class's fastest peer at 32 streams (exact rows and mean prefix); and at the GPT-2 124M shape, batch 1
-in-process ≥ 80% of the memory-bandwidth bound (`bench.roofline`: the graph's weight bytes per token
-over this machine's read bandwidth, `bench.commands.bandwidth`).
+The targets it checks, per size and precision class, are listed in docs/BENCHMARKS.md#targets.
 
 A missing peer is skipped with one line. It writes docs/bench/compare.json, docs/bench/compare.png (or
 both into --out) and the compare section of docs/BENCHMARKS.md.

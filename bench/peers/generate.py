@@ -11,25 +11,7 @@ peer protocol, standard library only, beside this file). `--convert` exports the
 to the backend's format into --model-dir and exits, so that the measuring process holds only the model
 (its peak RSS is the model's, not the exporter's). With `--spec` it prints the protocol's result.
 
-**How.** `model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)`: greedy, and the
-end-of-text ids are masked until N tokens, so every sequence has exactly N. Batch 1 is one call per
-prompt; the 32 streams are one call on the (32, prompt) batch (a static batch: all prompts have the
-same length, so no padding). A streamer records when `generate` hands out the first new tokens, which
-is the TTFT of every row (in a static batch they all arrive together). One untimed warm-up call at each
-shape first.
-
-**Settings.**
-- transformers: the model in float32, torch's default thread count (one per physical core), SDPA attention
-  (transformers' default).
-- optimum: `ORTModelForCausalLM` exported with `use_cache=True` (the decoder with past keys and values,
-  the path `generate` takes), onnxruntime's CPU provider at its default threads (one per core).
-- OpenVINO: `OVModelForCausalLM` exported by optimum-intel (a stateful model: the KV cache lives inside
-  the infer request), fp32 (`load_in_8bit=False`; optimum-intel compresses large models to 8 bits unless
-  told) or int8 weights (`OVWeightQuantizationConfig(bits=8)`: nncf's weight-only compression, activations
-  in fp32). Compiled with `PERFORMANCE_HINT=LATENCY` and `NUM_STREAMS=1` (generate runs one infer request
-  at a time; a THROUGHPUT hint splits the cores between requests that never run together),
-  `INFERENCE_PRECISION_HINT=f32` (on a CPU with avx512_bf16 OpenVINO would otherwise compute in bf16) and,
-  for fp32, `KV_CACHE_PRECISION=f32` (its CPU default is u8, kept for the int8 model).
+How each backend is called and set up: docs/BENCHMARKS.md#how-the-hugging-face-peers-are-run.
 """
 
 from __future__ import annotations
