@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import annotated_types
 from pydantic import ConfigDict, Field, ValidationError
@@ -151,6 +151,24 @@ class EngineLimits:
                    encoder_decoder=max_source is not None)
 
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What every sequence of a request must match, as one grammar (`service.engine.grammar` compiles it).
+
+    json_schema  `value` is a JSON schema (JSON text)
+    json_object  any JSON object; `value` is empty
+    regex        `value` is a regular expression the whole output matches
+    choice       `value` is a JSON list of strings; the output is one of them
+    grammar      `value` is a Lark-style EBNF grammar (llguidance's dialect) or a GBNF grammar
+    """
+
+    kind: ConstraintKind
+    value: str = ""
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -162,6 +180,7 @@ class GenerationRequest:
     logprobs: bool = False  # report each token's logprob (implied by top_logprobs > 0)
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     truncate_prompt: bool = False  # drop the prompt's oldest tokens to fit the context instead of refusing
+    constraint: Constraint | None = None  # the grammar every sequence's output must match
 
     def __post_init__(self):
         self.logprobs = self.logprobs or self.top_logprobs > 0
