@@ -165,7 +165,7 @@ class HttpFront:
     async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
                         builder: ResponseBuilder, stream: bool, renames: dict[str, str]) -> Response:
         try:
-            generation = Generation(self.state, call, accepted_requests)  # the engine's own checks run here
+            generation = await Generation.start(self.state, call, accepted_requests)  # the engine checks them
         except InvalidRequest as e:
             raise renamed(e, renames) from None
         if stream:
