@@ -45,6 +45,7 @@ from service.fronts.http.openai_responses import (
 )
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
+from service.fronts.http.structured import constraint_of
 from service.fronts.status import HttpStatus, http_status_for
 from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
@@ -220,7 +221,10 @@ class HttpFront:
                 default_max_new: int | None, facts, renames: dict[str, str], request: Request) -> AcceptedRequest:
         """The engine request of `fields` and the body's sampling and stopping; errors named as the body names
         them (`renames`), and the body's or the header's timeout as its deadline."""
-        fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
+        constraint, asked_by = constraint_of(body)
+        if asked_by:
+            renames["constraint"] = asked_by  # the engine's errors about it, named as the body names it
+        fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "constraint": constraint}
         try:
             accepted = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:
