@@ -127,7 +127,8 @@ class Engine:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()
         self.runner.decode_every_batch_size(self.max_running)
-        log.info("warmed up decode at batch sizes 1-%d in %.1f s", self.max_running,
+        self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
+        log.info("warmed up decode at batch sizes 1-%d and the grammar tokenizer in %.1f s", self.max_running,
                  time.perf_counter() - started)
 
     # ---- requests in and out -------------------------------------------------------------------
