@@ -1,7 +1,7 @@
 """Tokenizers of real vocabulary sizes and of both kinds attnserve serves, built from local text (no downloads).
 
     from bench.vocabularies import byte_level_bpe, sentencepiece_bpe, local_texts
-    gpt2_size = byte_level_bpe(50257)           # a service.runtime.tokenizer.Tokenizer
+    gpt2_size, trained = byte_level_bpe(50257)  # a service.runtime.tokenizer.Tokenizer, ids BPE training gave
     llama2_style = sentencepiece_bpe(32000)
 
 - `byte_level_bpe(n)`: GPT-2 / Llama-3 / Qwen2 style (ByteLevel pre-tokenizer and decoder, `<|endoftext|>` = 0).
@@ -47,8 +47,9 @@ def local_texts(max_code_chars: int = 40_000_000) -> list[str]:
     return texts
 
 
-def byte_level_bpe(vocab_size: int, texts: Sequence[str] | None = None) -> Tokenizer:
-    """A byte-level BPE of exactly `vocab_size` ids (see the module docstring)."""
+def byte_level_bpe(vocab_size: int, texts: Sequence[str] | None = None) -> tuple[Tokenizer, int]:
+    """A byte-level BPE of exactly `vocab_size` ids (see the module docstring), and how many of its ids
+    training gave (the shipped BPE's included); the others are synthetic merges."""
     from tokenizers import Tokenizer as HFTokenizer
 
     from bench.sizes import SHIPPED_MODEL, truncated_bpe
@@ -56,9 +57,9 @@ def byte_level_bpe(vocab_size: int, texts: Sequence[str] | None = None) -> Token
 
     shipped = HFTokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json"))
     if vocab_size <= shipped.get_vocab_size():
-        return Tokenizer(truncated_bpe(shipped, vocab_size))
+        return Tokenizer(truncated_bpe(shipped, vocab_size)), vocab_size
     trained = train_bpe(texts if texts is not None else local_texts(), vocab_size=vocab_size, min_frequency=2)
-    return Tokenizer(with_synthetic_merges(trained, vocab_size))
+    return Tokenizer(with_synthetic_merges(trained, vocab_size)), trained.get_vocab_size()
 
 
 def with_synthetic_merges(hf, vocab_size: int, seed: int = SEED):

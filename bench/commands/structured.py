@@ -171,7 +171,8 @@ def library_part(vocabs=VOCABS, sp_vocab: int = SP_VOCAB, rounds: int = 3, compi
     import llguidance
 
     texts = texts if texts is not None else local_texts()
-    tokenizers = {v: byte_level_bpe(v, texts) for v in vocabs}
+    built = {v: byte_level_bpe(v, texts) for v in vocabs}
+    tokenizers = {v: tokenizer for v, (tokenizer, _) in built.items()}
     schema = grammar("json_schema")
     docs = documents(batch)
     if not all(is_valid("json_schema", d) for d in docs):
@@ -189,11 +190,12 @@ def library_part(vocabs=VOCABS, sp_vocab: int = SP_VOCAB, rounds: int = 3, compi
     sp = sentencepiece_bpe(sp_vocab, texts)
     correctness = {f"byte-level {v}": check_walks(t, walks, budget) for v, t in tokenizers.items()}
     correctness[f"sentencepiece {sp.vocab_size}"] = check_walks(sp, walks, budget)
+    doc_tokens = {v: statistics.mean(len(t.encode(d, add_special_tokens=False)) for d in docs)
+                  for v, t in tokenizers.items()}
     return {
         "llguidance": llguidance.__version__, "rounds": rounds, "batch": batch, "threads": threads,
-        "schema_fields": leaf_fields(), "document_tokens": {v: sum(map(len, (t.encode(d, add_special_tokens=False)
-                                                                            for d in docs))) / len(docs)
-                                                            for v, t in tokenizers.items()},
+        "schema_fields": leaf_fields(), "trained_ids": {v: trained for v, (_, trained) in built.items()},
+        "document_tokens": doc_tokens,
         "times_us": {v: {k: summary(s) for k, s in ts.items()} for v, ts in times.items()},
         "walks": walks, "budget": budget, "correctness": correctness,
     }
