@@ -33,7 +33,8 @@ ITEM = _closed({"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
                 "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
                 "price": {"type": "number", "minimum": 0, "maximum": 10000},
                 "note": {"type": "string", "maxLength": 16}}, ["sku", "quantity", "price"])
-TOTALS = _closed({"net": {"type": "number", "minimum": 0, "maximum": 1000000}, "tax": {"type": "number", "minimum": 0, "maximum": 1000},
+TOTALS = _closed({"net": {"type": "number", "minimum": 0, "maximum": 1000000},
+                  "tax": {"type": "number", "minimum": 0, "maximum": 1000},
                   "currency": {"enum": ["EUR", "USD", "GBP"]}}, ["net", "tax"])
 SCHEMA = _closed({
     "id": {"type": "integer", "minimum": 1, "maximum": 999999},

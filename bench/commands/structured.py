@@ -208,7 +208,9 @@ def markdown(result: dict, command: str) -> str:
              f"JSON schema of `bench/structured_cases.py` compiled without free whitespace; median and p99 over "
              f"{lib['rounds']} interleaved rounds. Vocabularies: the shipped tokenizer, and byte-level BPEs of "
              "GPT-2's and Qwen2's sizes trained on local text and extended by synthetic merges "
-             "(`bench/vocabularies.py`). The batch is "
+             f"(`bench/vocabularies.py`; ids from training: {_trained(lib)}). Masks are timed along the tokens of "
+             f"valid documents (mean tokens each: {_doc_tokens(lib)}), one matcher along the first, the batch along "
+             f"{lib['batch']} of them. The batch is "
              f"{lib['batch']} matchers on an `LLExecutor` of {lib['threads']} threads; per sequence = step / "
              f"{lib['batch']}.", "",
              "| vocabulary | LLTokenizer ms | compile ms | first mask µs | deep_copy µs | mask µs (p99) | "
@@ -228,6 +230,14 @@ def markdown(result: dict, command: str) -> str:
                  + (f" ({c['errors']} errors)" if c["errors"] else "") for c in kinds.values()]
         lines.append(f"| {name} | {' | '.join(cells)} | {sum(c['early_eos'] for c in kinds.values())} |")
     return "\n".join(lines)
+
+
+def _trained(lib: dict) -> str:
+    return ", ".join(f"{int(t):,} of {int(v):,}" for v, t in lib["trained_ids"].items())
+
+
+def _doc_tokens(lib: dict) -> str:
+    return ", ".join(f"{t:.0f} at {int(v):,}" for v, t in lib["document_tokens"].items())
 
 
 def main(argv: list[str] | None = None) -> int:
