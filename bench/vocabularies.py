@@ -30,9 +30,10 @@ STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.v
 SP_SPECIAL = ["<unk>", "<s>", "</s>"]
 SP_EOS_ID = 2
 METASPACE = "\u2581"
+CODE_CHARS = 40_000_000  # more than the standard library holds (31.5M characters in Python 3.11): all of it
 
 
-def local_texts(max_code_chars: int = 40_000_000) -> list[str]:
+def local_texts(max_code_chars: int = CODE_CHARS) -> list[str]:
     """The Shakespeare plays, then standard-library sources in path order up to `max_code_chars`."""
     from model.training.data import load_plays
 

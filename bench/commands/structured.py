@@ -2,7 +2,7 @@
 
     attnserve bench structured                           # every part (today: the library part)
     attnserve bench structured --part library            # llguidance alone: compile, masks, walks
-    attnserve bench structured --vocabs 4096 --sp-vocab 2000 --rounds 1 --walks 4 --out /tmp/x   # a minute
+    attnserve bench structured --vocabs 4096 --sp-vocab 2000 --code-chars 0 --rounds 1 --walks 4 --out /tmp/x
 
 The library part measures llguidance, the library the engine constrains its output with, at three
 byte-level vocabularies (the shipped tokenizer's 4096 ids, GPT-2's 50257, Qwen2's 151665; how the larger two
@@ -35,7 +35,7 @@ import numpy as np
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from bench.peers.protocol import percentile
 from bench.structured_cases import CONSTRAINTS, JSON_OPTIONS, documents, is_valid, leaf_fields
-from bench.vocabularies import byte_level_bpe, local_texts, sentencepiece_bpe
+from bench.vocabularies import CODE_CHARS, byte_level_bpe, local_texts, sentencepiece_bpe
 
 PARTS = ("library",)
 VOCABS = (4096, 50257, 151665)  # the shipped tokenizer's, GPT-2's, Qwen2's (151643 + 22 special tokens)
@@ -166,11 +166,13 @@ def check_walks(tokenizer, walks: int, budget: int, seed: int = 0) -> dict:
 
 
 def library_part(vocabs=VOCABS, sp_vocab: int = SP_VOCAB, rounds: int = 3, compiles: int = 5, copies: int = 20,
-                 batch: int = 32, walks: int = 20, budget: int = 2000, texts: list[str] | None = None) -> dict:
-    """llguidance alone (see the module docstring): the `library` entry of the result."""
+                 batch: int = 32, walks: int = 20, budget: int = 2000, texts: list[str] | None = None,
+                 code_chars: int = CODE_CHARS) -> dict:
+    """llguidance alone (see the module docstring): the `library` entry of the result. The tokenizers are
+    trained on `texts`, by default `local_texts(code_chars)`."""
     import llguidance
 
-    texts = texts if texts is not None else local_texts()
+    texts = texts if texts is not None else local_texts(code_chars)
     built = {v: byte_level_bpe(v, texts) for v in vocabs}
     tokenizers = {v: tokenizer for v, (tokenizer, _) in built.items()}
     schema = grammar("json_schema")
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=PARTS, action="append", help="a part to run (repeatable); default: all")
     p.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="byte-level vocabulary sizes, comma-separated")
     p.add_argument("--sp-vocab", type=int, default=SP_VOCAB, help="size of the SentencePiece-style vocabulary")
+    p.add_argument("--code-chars", type=int, default=CODE_CHARS, help="characters of Python standard-library "
+                   "sources the tokenizers are trained on beside the plays")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the timings")
     p.add_argument("--walks", type=int, default=20, help="random walks per constraint and tokenizer")
     p.add_argument("--budget", type=int, default=2000, help="most tokens of a random walk")
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": describe()}
     if "library" in (args.part or PARTS):
         result["library"] = library_part(tuple(int(v) for v in args.vocabs.split(",")), args.sp_vocab, args.rounds,
-                                         walks=args.walks, budget=args.budget)
+                                         walks=args.walks, budget=args.budget, code_chars=args.code_chars)
     command = shown(" ".join(["attnserve bench structured", *argv]))
     text = markdown(result, command)
     print(text)
