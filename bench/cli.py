@@ -21,6 +21,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "hostile": ("hostile", "hostile clients (idle connections, huge bodies, deep JSON, Tokenize at its limit) "
                            "against a default server: what they cost everyone else"),
     "bandwidth": ("bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
+    "structured": ("structured", "structured output: llguidance's compile and mask times at 4k-150k vocabularies, "
+                                 "random walks checked on both tokenizer kinds"),
 }
 
 

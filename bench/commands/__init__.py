@@ -13,4 +13,5 @@ with `main(argv)`, each writing docs/bench/<name>.json and its section of docs/B
 - rotary_placement.py  `bench rotary-placement`: rotary positions inside GroupQueryAttention or as ops before it
 - serve.py             `bench serve`: concurrent streaming gRPC (or HTTP) clients: tokens/s, TTFT, ITL, errors
 - soak.py              `bench soak`: a mixed load for minutes: server memory, throughput and errors over time
+- structured.py        `bench structured`: llguidance's compile and mask times; constrained walks, checked
 """

@@ -34,6 +34,8 @@ QUICK = {
     "bandwidth": ["--mb", "8", "--rounds", "1", "--out", "{out}"],
     "prefix-cache": ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "4096", "--context", "256",
                      "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
+    "structured": ["--vocabs", "300", "--sp-vocab", "400", "--code-chars", "0", "--rounds", "1", "--walks", "2",
+                   "--out", "{out}"],
     "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--work",
             "{out}/work", "--out", "{out}"],
 }
