@@ -33,7 +33,10 @@ class OutputStep:
         if state.first_token_at is None:
             state.first_token_at = now
         reason, text = self.stop(seq, token)
-        out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
+        event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now)
+        if len(seq.output_ids) == 1:
+            event.prompt_logprobs = state.prompt_logprobs
+        out: list[Output] = [(state, event)]
         if reason is None:
             self.scheduler.feed(seq, token)
         else:
