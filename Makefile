@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak clean
+.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak lmeval-venv clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-peers  the peers' virtualenvs for the comparison: .venv-peers (transformers + optimum), .venv-ct2"
 	@echo "                (CTranslate2), .venv-openvino (OpenVINO through optimum-intel)"
 	@echo "make bench-llama-cpp  llama.cpp's programs, built for this CPU (cached), and its converter's .venv-llama-cpp"
+	@echo "make lmeval-venv  .venv-lmeval: lm-evaluation-harness for the log-likelihood test against a live server"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -173,8 +174,19 @@ bench: install bench-peers bench-llama-cpp
 	$(BIN)/attnserve bench compare
 	$(BIN)/attnserve bench g2p
 
+# lm-evaluation-harness for tests/fronts/test_lm_eval.py (its `local-completions` model scoring log-likelihoods
+# against a server the test starts); the test is skipped without this virtualenv. torch pinned by constraints.txt.
+LMEVAL := .venv-lmeval
+$(LMEVAL)/bin/.installed: tests/requirements-lmeval.txt constraints.txt
+	$(PYTHON) -m venv $(LMEVAL)
+	$(LMEVAL)/bin/pip install --quiet --upgrade pip
+	$(LMEVAL)/bin/pip install --quiet -c constraints.txt -r tests/requirements-lmeval.txt
+	touch $@
+
+lmeval-venv: $(LMEVAL)/bin/.installed
+
 soak: install
 	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) $(LMEVAL) .pytest_cache .ruff_cache .hypothesis
