@@ -270,8 +270,10 @@ class Engine:
         scoring = any(state.prompt_logprobs is not None for state in states)
         if work.start > 0:
             last = every = self.runner.prefill(first, work.chunks[0], work.start)[None]  # [1, chunk, vocab]
+        elif scoring:
+            last = every = self.runner.prefill_batch(first, work.chunks, every_position=True)
         else:
-            last = every = self.runner.prefill_batch(first, work.chunks, every_position=scoring)
+            last = every = self.runner.prefill_batch(first, work.chunks)
         if every.ndim == 3:  # every position's logits: the prompts' (or the chunk's) last ones are sampled
             record_prompt_logprobs(states, every, work.start)
             last = every[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
