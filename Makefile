@@ -129,25 +129,27 @@ bench-quantization: install
 # .venv-peers (transformers + optimum with onnxruntime), .venv-ct2 (CTranslate2 and its converter) and
 # .venv-openvino (optimum-intel with OpenVINO and nncf), torch pinned by constraints.txt in each. The
 # torchvision that optimum-intel pulls in is built for another torch and breaks transformers' imports: removed.
+# a virtualenv of its own with a requirements file installed, torch pinned by constraints.txt:
+# $(call requirements_venv,DIR,REQUIREMENTS) in a recipe
+define requirements_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet --upgrade pip
+	$(1)/bin/pip install --quiet -c constraints.txt -r $(2)
+endef
+
 PEERS    := .venv-peers
 CT2      := .venv-ct2
 OPENVINO := .venv-openvino
 $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
-	$(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/pip install --quiet --upgrade pip
-	$(PEERS)/bin/pip install --quiet -c constraints.txt -r bench/requirements-peers.txt
+	$(call requirements_venv,$(PEERS),bench/requirements-peers.txt)
 	touch $@
 
 $(CT2)/bin/.installed: bench/requirements-ct2.txt constraints.txt
-	$(PYTHON) -m venv $(CT2)
-	$(CT2)/bin/pip install --quiet --upgrade pip
-	$(CT2)/bin/pip install --quiet -c constraints.txt -r bench/requirements-ct2.txt
+	$(call requirements_venv,$(CT2),bench/requirements-ct2.txt)
 	touch $@
 
 $(OPENVINO)/bin/.installed: bench/requirements-openvino.txt constraints.txt
-	$(PYTHON) -m venv $(OPENVINO)
-	$(OPENVINO)/bin/pip install --quiet --upgrade pip
-	$(OPENVINO)/bin/pip install --quiet -c constraints.txt -r bench/requirements-openvino.txt
+	$(call requirements_venv,$(OPENVINO),bench/requirements-openvino.txt)
 	$(OPENVINO)/bin/pip uninstall --quiet -y torchvision
 	touch $@
 
@@ -159,9 +161,7 @@ bench-peers: $(PEERS)/bin/.installed $(CT2)/bin/.installed $(OPENVINO)/bin/.inst
 # (convert_hf_to_gguf.py: its requirements, torch pinned by constraints.txt; bench/requirements-llama-cpp.txt)
 LLAMA_CPP := .venv-llama-cpp
 $(LLAMA_CPP)/bin/.installed: bench/requirements-llama-cpp.txt constraints.txt
-	$(PYTHON) -m venv $(LLAMA_CPP)
-	$(LLAMA_CPP)/bin/pip install --quiet --upgrade pip
-	$(LLAMA_CPP)/bin/pip install --quiet -c constraints.txt -r bench/requirements-llama-cpp.txt
+	$(call requirements_venv,$(LLAMA_CPP),bench/requirements-llama-cpp.txt)
 	touch $@
 
 bench-llama-cpp: $(LLAMA_CPP)/bin/.installed
@@ -178,9 +178,7 @@ bench: install bench-peers bench-llama-cpp
 # against a server the test starts); the test is skipped without this virtualenv. torch pinned by constraints.txt.
 LMEVAL := .venv-lmeval
 $(LMEVAL)/bin/.installed: tests/requirements-lmeval.txt constraints.txt
-	$(PYTHON) -m venv $(LMEVAL)
-	$(LMEVAL)/bin/pip install --quiet --upgrade pip
-	$(LMEVAL)/bin/pip install --quiet -c constraints.txt -r tests/requirements-lmeval.txt
+	$(call requirements_venv,$(LMEVAL),tests/requirements-lmeval.txt)
 	touch $@
 
 lmeval-venv: $(LMEVAL)/bin/.installed
