@@ -186,7 +186,7 @@ class HttpFront:
         builder.cached_tokens = generation.cached_prompt_tokens
         headers = {"X-Request-Id": accepted_requests[0].request_id}
         request0 = accepted_requests[0].request
-        scored = call.tokens + (builder.prompt_tokens if request0.prompt_logprobs is not None else 0)
+        scored = call.tokens + (builder.prompt_tokens * builder.n if request0.prompt_logprobs is not None else 0)
         if scored * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
             return self._ok(call, StreamingResponse(json_pieces(builder.response()), media_type="application/json",
                                                     headers=headers))
