@@ -275,7 +275,7 @@ class Engine:
         else:
             last = every = self.runner.prefill_batch(first, work.chunks)
         if every.ndim == 3:  # every position's logits: the prompts' (or the chunk's) last ones are sampled
-            record_prompt_logprobs(states, every, work.start)
+            record_prompt_logprobs(states, every, work.start, self.sampleable)
             last = every[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
         complete = self.scheduler.prefilled(work)
         return RunnerOutput([seq for _, seq in complete], last[[row for row, _ in complete]])
