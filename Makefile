@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak clean
+.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak lmeval-venv clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-peers  the peers' virtualenvs for the comparison: .venv-peers (transformers + optimum), .venv-ct2"
 	@echo "                (CTranslate2), .venv-openvino (OpenVINO through optimum-intel)"
 	@echo "make bench-llama-cpp  llama.cpp's programs, built for this CPU (cached), and its converter's .venv-llama-cpp"
+	@echo "make lmeval-venv  .venv-lmeval: lm-evaluation-harness for the log-likelihood test against a live server"
 	@echo "make lint       ruff"
 
 $(BIN)/.installed: pyproject.toml constraints.txt
@@ -128,25 +129,27 @@ bench-quantization: install
 # .venv-peers (transformers + optimum with onnxruntime), .venv-ct2 (CTranslate2 and its converter) and
 # .venv-openvino (optimum-intel with OpenVINO and nncf), torch pinned by constraints.txt in each. The
 # torchvision that optimum-intel pulls in is built for another torch and breaks transformers' imports: removed.
+# a virtualenv of its own with a requirements file installed, torch pinned by constraints.txt:
+# $(call requirements_venv,DIR,REQUIREMENTS) in a recipe
+define requirements_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet --upgrade pip
+	$(1)/bin/pip install --quiet -c constraints.txt -r $(2)
+endef
+
 PEERS    := .venv-peers
 CT2      := .venv-ct2
 OPENVINO := .venv-openvino
 $(PEERS)/bin/.installed: bench/requirements-peers.txt constraints.txt
-	$(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/pip install --quiet --upgrade pip
-	$(PEERS)/bin/pip install --quiet -c constraints.txt -r bench/requirements-peers.txt
+	$(call requirements_venv,$(PEERS),bench/requirements-peers.txt)
 	touch $@
 
 $(CT2)/bin/.installed: bench/requirements-ct2.txt constraints.txt
-	$(PYTHON) -m venv $(CT2)
-	$(CT2)/bin/pip install --quiet --upgrade pip
-	$(CT2)/bin/pip install --quiet -c constraints.txt -r bench/requirements-ct2.txt
+	$(call requirements_venv,$(CT2),bench/requirements-ct2.txt)
 	touch $@
 
 $(OPENVINO)/bin/.installed: bench/requirements-openvino.txt constraints.txt
-	$(PYTHON) -m venv $(OPENVINO)
-	$(OPENVINO)/bin/pip install --quiet --upgrade pip
-	$(OPENVINO)/bin/pip install --quiet -c constraints.txt -r bench/requirements-openvino.txt
+	$(call requirements_venv,$(OPENVINO),bench/requirements-openvino.txt)
 	$(OPENVINO)/bin/pip uninstall --quiet -y torchvision
 	touch $@
 
@@ -158,9 +161,7 @@ bench-peers: $(PEERS)/bin/.installed $(CT2)/bin/.installed $(OPENVINO)/bin/.inst
 # (convert_hf_to_gguf.py: its requirements, torch pinned by constraints.txt; bench/requirements-llama-cpp.txt)
 LLAMA_CPP := .venv-llama-cpp
 $(LLAMA_CPP)/bin/.installed: bench/requirements-llama-cpp.txt constraints.txt
-	$(PYTHON) -m venv $(LLAMA_CPP)
-	$(LLAMA_CPP)/bin/pip install --quiet --upgrade pip
-	$(LLAMA_CPP)/bin/pip install --quiet -c constraints.txt -r bench/requirements-llama-cpp.txt
+	$(call requirements_venv,$(LLAMA_CPP),bench/requirements-llama-cpp.txt)
 	touch $@
 
 bench-llama-cpp: $(LLAMA_CPP)/bin/.installed
@@ -173,8 +174,17 @@ bench: install bench-peers bench-llama-cpp
 	$(BIN)/attnserve bench compare
 	$(BIN)/attnserve bench g2p
 
+# lm-evaluation-harness for tests/fronts/test_lm_eval.py (its `local-completions` model scoring log-likelihoods
+# against a server the test starts); the test is skipped without this virtualenv. torch pinned by constraints.txt.
+LMEVAL := .venv-lmeval
+$(LMEVAL)/bin/.installed: tests/requirements-lmeval.txt constraints.txt
+	$(call requirements_venv,$(LMEVAL),tests/requirements-lmeval.txt)
+	touch $@
+
+lmeval-venv: $(LMEVAL)/bin/.installed
+
 soak: install
 	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) $(LMEVAL) .pytest_cache .ruff_cache .hypothesis

@@ -37,6 +37,7 @@ from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, Inva
 from service.engine.grammar import Grammar, Grammars, MaskJob, allowed
 from service.engine.kv_cache import KVCache
 from service.engine.output import Output, OutputStep
+from service.engine.prompt_logprobs import record as record_prompt_logprobs
 from service.engine.request import EngineLimits, Generated, GenerationRequest, TokenEvent
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
@@ -275,10 +276,17 @@ class Engine:
                 seq.request_state.scheduled_at = now
                 self._running_requests += 1
         first = work.seqs[0].slot
+        states = [seq.request_state for seq in work.seqs]
+        scoring = any(state.prompt_logprobs is not None for state in states)
         if work.start > 0:
-            last = self.runner.prefill(first, work.chunks[0], work.start)[-1:]
+            last = every = self.runner.prefill(first, work.chunks[0], work.start)[None]  # [1, chunk, vocab]
+        elif scoring:
+            last = every = self.runner.prefill_batch(first, work.chunks, every_position=True)
         else:
-            last = self.runner.prefill_batch(first, work.chunks)
+            last = every = self.runner.prefill_batch(first, work.chunks)
+        if every.ndim == 3:  # every position's logits: the prompts' (or the chunk's) last ones are sampled
+            record_prompt_logprobs(states, every, work.start, self.sampleable)
+            last = every[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
         complete = self.scheduler.prefilled(work)
         return RunnerOutput([seq for _, seq in complete], last[[row for row, _ in complete]])
 

@@ -39,7 +39,10 @@ class OutputStep:
                                                   f"{seq.matcher.get_error()}"))
             complete = seq.matcher.is_stopped()
         reason, text = self.stop(seq, token, complete)
-        out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
+        event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now)
+        if len(seq.output_ids) == 1:
+            event.prompt_logprobs = state.prompt_logprobs
+        out: list[Output] = [(state, event)]
         if reason is None:
             self.scheduler.feed(seq, token)
         else:

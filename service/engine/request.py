@@ -181,6 +181,9 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     truncate_prompt: bool = False  # drop the prompt's oldest tokens to fit the context instead of refusing
     constraint: Constraint | None = None  # the grammar every sequence's output must match
+    # score the prompt: each prompt token's logprob and this many alternatives (None: not computed); such a
+    # prompt is computed whole, never taken from the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.logprobs = self.logprobs or self.top_logprobs > 0
@@ -192,6 +195,11 @@ class GenerationRequest:
             raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
         _int_range("n", self.n, 1, limits.max_n)
         _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
+        if self.prompt_logprobs is not None:
+            if limits.encoder_decoder:
+                raise InvalidRequest("prompt_logprobs", "an encoder-decoder's prompt is its source, which the "
+                                     "model reads but does not predict: it has no logprobs")
+            _int_range("prompt_logprobs", self.prompt_logprobs, 0, limits.max_top_logprobs)
         longest = min(limits.max_new_tokens, n_ctx - 1)
         if not _is_int(st.max_new_tokens) or st.max_new_tokens < 1:  # what is too long is judged with the prompt
             raise InvalidRequest("stopping.max_new_tokens", f"{st.max_new_tokens!r} is outside [1, {longest}]")
@@ -265,6 +273,9 @@ class TokenEvent:
     text: str  # newly decoded text; may be empty while a character or a stop string is incomplete
     finish_reason: FinishReason | None = None  # set on the sequence's last event
     time: float = 0.0  # time.monotonic() of the step that produced it
+    # on each sequence's first event of a request that asked for them: one (logprob, alternatives) per prompt
+    # token, the first token's (None, None) (`service.engine.prompt_logprobs`)
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
 
 
 @dataclass

@@ -265,15 +265,25 @@ def _with_logprobs(logits: np.ndarray, tokens: np.ndarray, rows: np.ndarray, top
     if not rows.size:
         return SampleOutput(tokens, logprobs, None, None)
     x = logits if rows.size == len(tokens) else logits[rows]
-    m = x.max(axis=1)
-    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))  # [R] log-partition of the raw logits
+    lse = log_partition(x)
     logprobs[rows] = x[np.arange(len(rows)), tokens[rows]] - lse
     if not top_n:
         return SampleOutput(tokens, logprobs, None, None)
     top_ids = np.zeros((len(tokens), top_n), dtype=np.int64)
     top_lp = np.full((len(tokens), top_n), np.nan, dtype=np.float32)
-    ids = np.argpartition(-x, top_n - 1, axis=1)[:, :top_n]
+    top_ids[rows], top_lp[rows] = most_likely(x, lse, top_n)
+    return SampleOutput(tokens, logprobs, top_ids, top_lp)
+
+
+def log_partition(x: np.ndarray) -> np.ndarray:
+    """[R] the log-partition of each row of raw logits [R, vocab]: a row's logprobs are x - it."""
+    m = x.max(axis=1)
+    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+
+
+def most_likely(x: np.ndarray, lse: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n most likely ids of each row of `x` [R, vocab] and their logprobs ([R, n] each), most likely first."""
+    ids = np.argpartition(-x, n - 1, axis=1)[:, :n]
     lp = np.take_along_axis(x, ids, axis=1) - lse[:, None]
     order = np.argsort(-lp, axis=1, kind="stable")
-    top_ids[rows], top_lp[rows] = np.take_along_axis(ids, order, axis=1), np.take_along_axis(lp, order, axis=1)
-    return SampleOutput(tokens, logprobs, top_ids, top_lp)
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(lp, order, axis=1)

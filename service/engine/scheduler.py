@@ -15,7 +15,8 @@ So decode never stalls for more than one budgeted step, however long the prompts
 With a prefix cache, a prompt whose first blocks are cached gets them copied into its slot and
 continues from there, like the rest of a chunked prompt: it runs alone in its call (onnxruntime's
 attention continues a cache one row at a time), so it is admitted only at the head of a step's
-prompts. A prompt's whole blocks are kept when its prefill ends, and the blocks of what a sequence
+prompts. A prompt whose logprobs are asked for is never looked up: it needs every position's logits.
+A prompt's whole blocks are kept when its prefill ends, and the blocks of what a sequence
 wrote (prompt and output) when it finishes, so a later chat turn finds the earlier one.
 
 The scheduler is the one owner of the KV cache's bookkeeping: which sequence holds which slot,
@@ -122,7 +123,9 @@ class Scheduler:
                 break
             if batch and (len(batch) + 1) * max(longest, length) > budget:
                 break
-            hit = self.prefixes.match(state.prompt) if self.prefixes else None
+            # a prompt to score is computed whole: a cached position's logits would not be
+            hit = self.prefixes.match(state.prompt) if self.prefixes and state.request.prompt_logprobs is None \
+                else None
             if hit and hit.blocks and batch:
                 break  # it continues a cache: alone, at the head of the next step's prompts
             self.waiting.popleft()

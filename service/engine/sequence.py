@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.detokenizer import TextStream
+from service.engine.prompt_logprobs import FIRST, PromptLogprob
 from service.engine.request import FinishReason, GenerationRequest
 from service.engine.sampler import SamplingState
 
@@ -61,7 +62,13 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     reserved: int = 0  # KV slots promised to siblings not yet forked
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
+    # the prompt's logprobs as its chunks are prefilled, when the request asks for them
+    prompt_logprobs: list[PromptLogprob] | None = None
     done: bool = False
+
+    def __post_init__(self):
+        if self.request.prompt_logprobs is not None:
+            self.prompt_logprobs = [FIRST]
 
     @property
     def id(self) -> str:

@@ -4,9 +4,9 @@ Every range is stated once. The sampling and stopping parameters' own ranges are
 definitions (`service.engine.request`: `SamplingParams`, `StoppingCriteria`), and the ranges that
 depend on the model and the engine's limits (vocabulary, context, n, top_logprobs, max_new_tokens)
 in `GenerationRequest.validate`, which the engine runs on every request. This module adds what only
-a front sees: the request id, prompt text or token ids, echo, and the defaults of unset fields. A
-front maps its own wire format to plain values and calls `accept`; a bad value raises
-`InvalidRequest` naming the field (`param` in HTTP terms) and its allowed range.
+a front sees: the request id, prompt text or token ids, echo (with max_new_tokens 0: the prompt alone),
+and the defaults of unset fields. A front maps its own wire format to plain values and calls `accept`;
+a bad value raises `InvalidRequest` naming the field (`param` in HTTP terms) and its allowed range.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class RequestFields(BaseModel):
     top_logprobs: int = 0
     logprobs: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives per token
     truncate_prompt: bool = False
     constraint: Constraint | None = None  # structured output: the grammar every completion must match
 
@@ -72,6 +73,7 @@ class AcceptedRequest:
     request_id: str  # the id the client gave (or one assigned), echoed in responses and logs
     prompt_text: str  # the prompt as text (decoded from prompt_token_ids if those were given)
     echo: bool  # put the prompt before each completion's text
+    prompt_only: bool = False  # echo with max_new_tokens 0: the engine generates one token, left out of the response
 
     @property
     def want_logprobs(self) -> bool:
@@ -111,15 +113,19 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     else:
         ids, text = f.prompt_token_ids, None
     stopping = dict(stopping)
-    if stopping.get("max_new_tokens") is None:
+    prompt_only = f.echo and stopping.get("max_new_tokens") == 0  # the prompt alone (with its logprobs)
+    if prompt_only:
+        stopping["max_new_tokens"] = 1
+    elif stopping.get("max_new_tokens") is None:
         stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt, default_max_new)
     sampling = {**(model.sampling_defaults or {}), **sampling}
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
-                                logprobs=f.logprobs, truncate_prompt=f.truncate_prompt, constraint=f.constraint)
+                                logprobs=f.logprobs, truncate_prompt=f.truncate_prompt,
+                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint)
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
-    return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo)
+    return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo, prompt_only)
 
 
 def usable_prompt_ids(ids: Sequence[int], truncate: bool, model: ModelFacts) -> list[int]:

@@ -1,5 +1,6 @@
 """A model whose vocabulary is padded past its tokenizer's (as many checkpoints are) never samples
-the padding ids: they have no text, and decoding them must not fail a step."""
+the padding ids: they have no text, and decoding them must not fail a step. Nor are they among a
+prompt's logprob alternatives."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine
+from service.engine.request import GenerationRequest, StoppingCriteria
 from tests.conftest import make_model
 from tests.engine.harness import drive, sampled
 
@@ -40,3 +42,17 @@ def test_padding_ids_are_never_sampled(padded_bundle, tiny_tokenizer):
     for r in requests:
         tokens = run.tokens(r.request_id, 0)
         assert len(tokens) > 0 and all(t < tiny_tokenizer.vocab_size for t in tokens)
+
+
+def test_prompt_logprobs_leave_the_padding_ids_out(padded_bundle, tiny_tokenizer):
+    engine = Engine(EngineConfig(bundle=padded_bundle, max_running=4, max_batch_tokens=64))
+    prompt = [5, 6, 7, 8, 9]
+    run = drive(engine, [GenerationRequest("r", prompt, stopping=StoppingCriteria(max_new_tokens=2), logprobs=True,
+                                           top_logprobs=3, prompt_logprobs=3)])
+    first = run.events[("r", 0)][0]
+    entries = first.prompt_logprobs
+    assert run.errors == {} and len(entries) == len(prompt)
+    for logprob, top in entries[1:]:
+        assert all(t < tiny_tokenizer.vocab_size for t, _ in top) and logprob <= top[0][1]
+    # the same distribution as the generated tokens' logprobs: over the ids the model can emit
+    assert [t for t, _ in first.top_logprobs] and all(t < tiny_tokenizer.vocab_size for t, _ in first.top_logprobs)

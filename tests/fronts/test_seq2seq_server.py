@@ -1,5 +1,6 @@
 """A server on an encoder-decoder bundle: gRPC and the OpenAI-compatible HTTP front take the prompt as the
-source and return the target; GetModelInfo says which kind of model it is; chat is refused."""
+source and return the target; GetModelInfo says which kind of model it is; chat and prompt logprobs are
+refused."""
 
 from __future__ import annotations
 
@@ -69,3 +70,16 @@ def test_the_models_generation_config_sets_unset_sampling_fields(lively_seq2seq_
         sampled = {tuple(c.generate(WORD, max_new_tokens=12, temperature=1.0, seed=s).completions[0].token_ids)
                    for s in range(6)}
         assert len(sampled) > 1  # an explicit temperature still samples
+
+
+def test_prompt_logprobs_are_refused_the_prompt_is_a_source(s2s_server):
+    with Client(s2s_server.address, timeout_s=60) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(WORD, max_new_tokens=3, prompt_logprobs=1)
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("prompt_logprobs:") and "source" in e.value.details()
+    with openai.OpenAI(base_url=s2s_server.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as api:
+        with pytest.raises(openai.BadRequestError, match="encoder-decoder") as e:
+            api.completions.create(model="", prompt=WORD, max_tokens=3, echo=True, logprobs=1)
+        assert e.value.body["param"] == "logprobs"
+        assert api.completions.create(model="", prompt=WORD, max_tokens=3, echo=True).choices[0].text.startswith(WORD)

@@ -36,7 +36,8 @@ def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest
     ids = usable_prompt_ids(msg.prompt_token_ids, msg.truncate_prompt, model)
     fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
-              "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg)}
+              "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg),
+              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None}
     return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)
 
 
@@ -74,8 +75,19 @@ def stopping_values(msg: pb.StoppingCriteria) -> dict:
 # ---- engine events -> protobuf -------------------------------------------------------------------
 
 def token_logprob(event: TokenEvent, texts: TokenTexts) -> pb.TokenLogprob:
-    top = [pb.TokenLogprob(token_id=t, logprob=lp, text=texts(t)) for t, lp in event.top_logprobs or ()]
-    return pb.TokenLogprob(token_id=event.token_id, logprob=event.logprob, text=texts(event.token_id), top=top)
+    return _token_logprob(event.token_id, event.logprob, event.top_logprobs, texts)
+
+
+def _token_logprob(token_id: int, logprob: float, alternatives: list[tuple[int, float]] | None,
+                   texts: TokenTexts) -> pb.TokenLogprob:
+    top = [pb.TokenLogprob(token_id=t, logprob=lp, text=texts(t)) for t, lp in alternatives or ()]
+    return pb.TokenLogprob(token_id=token_id, logprob=logprob, text=texts(token_id), top=top)
+
+
+def prompt_logprobs(accepted: AcceptedRequest, event: TokenEvent, texts: TokenTexts) -> list[pb.TokenLogprob]:
+    """The prompt's logprobs an event carries (`TokenEvent.prompt_logprobs`), but the first token's: it has none."""
+    pairs = zip(accepted.request.prompt_token_ids, event.prompt_logprobs or (), strict=False)
+    return [_token_logprob(t, lp, top, texts) for t, (lp, top) in pairs if lp is not None]
 
 
 def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing) -> pb.Usage:
@@ -93,6 +105,7 @@ class StreamState:
     """What a stream has sent so far."""
 
     started: set[int] = field(default_factory=set)  # indices whose first message went out (for echo)
+    prompt_logprobs_sent: bool = False  # they go out once, in the request's first message
     completion_tokens: int = 0
 
 
@@ -113,6 +126,9 @@ def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: 
                                         token_ids=[e.token_id for e in evs])
         if accepted.want_logprobs:
             msg.logprobs.extend(token_logprob(e, texts) for e in evs)
+        if evs[0].prompt_logprobs is not None and not sent.prompt_logprobs_sent:
+            sent.prompt_logprobs_sent = True
+            msg.prompt_logprobs.extend(prompt_logprobs(accepted, evs[0], texts))
         if evs[-1].finish_reason is not None:
             msg.finish_reason = FINISH[evs[-1].finish_reason]
         out.append(msg)
@@ -134,9 +150,12 @@ class Collector:
         self._logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
         self._finish = [pb.FINISH_REASON_UNSPECIFIED] * n
         self._last_time = 0.0
+        self._prompt_logprobs: list[pb.TokenLogprob] = []
 
     def add(self, events: list[TokenEvent]) -> None:
         for e in events:
+            if e.prompt_logprobs is not None and not self._prompt_logprobs:
+                self._prompt_logprobs = prompt_logprobs(self.accepted, e, self.texts)
             self._text[e.index].append(e.text)
             self._ids[e.index].append(e.token_id)
             if self.accepted.want_logprobs:
@@ -151,4 +170,5 @@ class Collector:
                        for i in range(self.accepted.request.n)]
         tokens = sum(len(ids) for ids in self._ids)
         return pb.GenerateResponse(request_id=self.accepted.request_id, completions=completions,
-                                   usage=usage(self.accepted, self._last_time, tokens, timing))
+                                   usage=usage(self.accepted, self._last_time, tokens, timing),
+                                   prompt_logprobs=self._prompt_logprobs)

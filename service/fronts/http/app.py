@@ -102,11 +102,8 @@ class HttpFront:
 
     async def completions(self, request: Request, call: Call) -> Response:
         body, size = await read_body(request, CompletionRequest, self.state)
-        if body.echo and body.logprobs is not None:
-            raise InvalidRequest("echo", "echo with logprobs needs the prompt's logprobs, which this server "
-                                 "does not compute; ask for one or the other")
         facts = self.state.model
-        renames = {"top_logprobs": "logprobs"}
+        renames = {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
         prompts = body.prompts()
 
         def accept_all() -> list[AcceptedRequest]:
@@ -118,7 +115,8 @@ class HttpFront:
                     text, ids = "", usable_prompt_ids(prompt, False, facts)
                 fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                           "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
-                          "echo": bool(body.echo)}
+                          "echo": bool(body.echo),
+                          "prompt_logprobs": body.logprobs if body.echo else None}
                 accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                                       facts, renames, request))
             return accepted_requests
@@ -189,7 +187,8 @@ class HttpFront:
         builder.cached_tokens = generation.cached_prompt_tokens
         headers = {"X-Request-Id": accepted_requests[0].request_id}
         request0 = accepted_requests[0].request
-        if call.tokens * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
+        scored = call.tokens + (builder.prompt_tokens * builder.n if request0.prompt_logprobs is not None else 0)
+        if scored * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
             return self._ok(call, StreamingResponse(json_pieces(builder.response()), media_type="application/json",
                                                     headers=headers))
         return self._ok(call, JSONResponse(builder.response(), headers=headers))

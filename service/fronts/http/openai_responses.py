@@ -3,7 +3,8 @@ server-sent-event chunks. Pure conversion, no I/O.
 
 A request with P prompts and `n` samples has P·n choices; prompt p's sample j is choice p·n + j,
 as OpenAI numbers them. Each choice's text is the concatenation of its events' text deltas (the
-detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`.
+detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`;
+with `echo` and logprobs, the prompt's tokens and their logprobs come first (in a stream, in the first chunk).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class ResponseBuilder:
         """Append `event`'s logprob, in the endpoint's shape, to each of `targets`."""
         raise NotImplementedError
 
+    def _record_prompt(self, targets: tuple[Any, ...], accepted: AcceptedRequest, entries: list) -> None:
+        """Append the prompt's logprobs (`TokenEvent.prompt_logprobs`), in the endpoint's shape, to each of
+        `targets`: completions only, whose echo returns the prompt."""
+
     def _add(self, stream_index: int, events: list[TokenEvent]) -> dict[int, tuple[str, Any]]:
         """Fold events in; returns each touched choice's new text and, when asked for, its new logprobs."""
         touched: dict[int, tuple[list[str], Any]] = {}
@@ -104,9 +109,14 @@ class ResponseBuilder:
             if c.index not in self._echoed:
                 self._echoed.add(c.index)
                 if accepted.echo:  # completions only: chat never echoes
+                    if lp is not None and e.prompt_logprobs is not None:
+                        self._record_prompt((lp, self.logprobs[c.index]), accepted, e.prompt_logprobs)
                     delta.append(accepted.prompt_text)
                     c.text.append(accepted.prompt_text)
                     c.chars += len(accepted.prompt_text)
+            if accepted.prompt_only:  # max_tokens 0: the token generated is not part of the response
+                c.finish_reason = FINISH[FinishReason.LENGTH]
+                continue
             if lp is not None:
                 self._record((lp, self.logprobs[c.index]), e, c.chars)
             delta.append(e.text)
@@ -162,17 +172,28 @@ class CompletionBuilder(ResponseBuilder):
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _record(self, targets: tuple[dict[str, list], ...], event: TokenEvent, text_offset: int) -> None:
-        token, top = self.texts.openai(event.token_id)[0], self._top(event)
+        self._append(targets, event.token_id, event.logprob, event.top_logprobs, text_offset)
+
+    def _record_prompt(self, targets: tuple[dict[str, list], ...], accepted: AcceptedRequest, entries: list) -> None:
+        """The prompt's tokens first: the first has no logprob (null, as in OpenAI's), and each token's
+        text_offset counts the texts of the tokens before it."""
+        offset = 0
+        for token_id, (logprob, top) in zip(accepted.request.prompt_token_ids, entries, strict=True):
+            self._append(targets, token_id, logprob, top, offset, first=logprob is None)
+            offset += len(self.texts(token_id))
+
+    def _append(self, targets: tuple[dict[str, list], ...], token_id: int, logprob: float | None,
+                alternatives: list[tuple[int, float]] | None, text_offset: int, first: bool = False) -> None:
+        token = self.texts.openai(token_id)[0]
+        top = None
+        if not first:
+            top = {self.texts.openai(t)[0]: lp for t, lp in alternatives or ()}
+            top.setdefault(token, logprob)  # the token itself is always there, as in OpenAI's
         for target in targets:
             target["tokens"].append(token)
-            target["token_logprobs"].append(event.logprob)
+            target["token_logprobs"].append(logprob)
             target["top_logprobs"].append(top)
             target["text_offset"].append(text_offset)
-
-    def _top(self, e: TokenEvent) -> dict[str, float]:
-        top = {self.texts.openai(t)[0]: lp for t, lp in e.top_logprobs or ()}
-        top.setdefault(self.texts.openai(e.token_id)[0], e.logprob)  # the sampled token is always there, as in OpenAI's
-        return top
 
     def _chunk_choice(self, index: int, text: str, logprobs: dict | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": self.choices[index].finish_reason}
