@@ -128,7 +128,10 @@ class Engine:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()
         self.runner.decode_every_batch_size(self.max_running)
-        self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
+        try:
+            self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
+        except InvalidRequest as e:
+            log.info("%s", e)
         log.info("warmed up decode at batch sizes 1-%d and the grammar tokenizer in %.1f s", self.max_running,
                  time.perf_counter() - started)
 

@@ -79,6 +79,7 @@ class Grammars:
         self.vocab_size = vocab_size  # logits width: the mask has a bit for each
         self._eos = sorted(eos_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s at 150k tokens)
+        self._unusable: str | None = None  # why llguidance cannot read the tokenizer, once it has tried
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
@@ -86,10 +87,18 @@ class Grammars:
         self.words = (vocab_size + 31) // 32  # int32 words per mask
 
     def tokenizer(self) -> llguidance.LLTokenizer:
+        """The vocabulary as llguidance reads it; InvalidRequest when it cannot (a tokenizer without a
+        byte-level or SentencePiece decoder, such as a word-level one, has no bytes per token)."""
         with self._lock:
+            if self._ll_tokenizer is None and self._unusable is None:
+                try:
+                    self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                                eos_token=self._eos or None)
+                except ValueError as e:
+                    self._unusable = _short(e)
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                            eos_token=self._eos or None)
+                raise InvalidRequest("constraint", "structured output is not available for this model: its "
+                                     f"tokenizer cannot be read as bytes per token ({self._unusable})")
             return self._ll_tokenizer
 
     def compile(self, constraint: Constraint) -> Grammar:

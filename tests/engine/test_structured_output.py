@@ -131,3 +131,12 @@ def test_compiled_grammars_are_cached_by_content(make_engine):
     first = engine.grammars.compile(c)
     assert engine.grammars.compile(Constraint("regex", "[0-9]{3}")) is first
     assert engine.grammars.cached(Constraint("regex", "[0-9]{4}")) is None
+
+
+def test_a_tokenizer_without_bytes_per_token_refuses_constraints_and_still_serves(make_engine, seq2seq_bundle):
+    engine = make_engine(bundle=seq2seq_bundle)
+    engine.warm_up()  # does not fail for it
+    with pytest.raises(InvalidRequest, match="not available for this model"):
+        engine.new_request(constrained("g2p", [5, 6, 7], Constraint("regex", "[A-Z]+")))
+    [done] = engine.generate([greedy("plain", [5, 6, 7], 4)])
+    assert done.error is None and done.events
