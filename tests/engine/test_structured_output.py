@@ -137,6 +137,6 @@ def test_a_tokenizer_without_bytes_per_token_refuses_constraints_and_still_serve
     engine = make_engine(bundle=seq2seq_bundle)
     engine.warm_up()  # does not fail for it
     with pytest.raises(InvalidRequest, match="not available for this model"):
-        engine.new_request(constrained("g2p", [5, 6, 7], Constraint("regex", "[A-Z]+")))
+        engine.new_request(constrained("g2p", [5, 6, 7], Constraint("regex", "[A-Z]+"), max_new=4))
     [done] = engine.generate([greedy("plain", [5, 6, 7], 4)])
     assert done.error is None and done.events
