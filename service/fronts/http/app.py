@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from service import logs
 from service.engine.errors import EngineError, InvalidRequest, Overloaded
+from service.engine.request import Constraint
 from service.fronts.call import Call
 from service.fronts.front_state import FrontState
 from service.fronts.generation import ClientGone, Generation
@@ -133,11 +134,12 @@ class HttpFront:
         body, size = await read_body(request, ChatCompletionRequest, self.state)
         template = self._chat_template()
         facts = self.state.model
-        conversation = body.conversation()
+        conversation, tools = body.conversation(), body.tool_use(template.source)
 
         def render() -> list[int]:
             try:
-                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
+                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt,
+                                       tools=tools.tools if tools else None)
             except ChatTemplateError as e:
                 raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
             if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
@@ -156,8 +158,11 @@ class HttpFront:
                    and body.max_tokens is None else "max_tokens"}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
+        if tools and tools.grammar:
+            accepted.request.constraint = Constraint("grammar", tools.grammar)
         logs.request_id.set(accepted.request_id)
-        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body))
+        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body),
+                              tools.parser if tools else None)
         return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
 
     # ---- generation -----------------------------------------------------------------------------
