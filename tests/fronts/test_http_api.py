@@ -346,7 +346,7 @@ def test_an_invalid_field_is_a_400_naming_it(server, body, param):
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_an_invalid_chat_field_is_a_400_naming_it(server, body, param):
