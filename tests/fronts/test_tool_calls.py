@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 
@@ -465,12 +464,10 @@ SHORT_MESSAGES = [{"role": "user", "content": "Rain?"}]
 
 @pytest.fixture(scope="module")
 def tool_server(engine_bundle, tmp_path_factory):
-    """The engine bundle with SERVER_TEMPLATE beside its tokenizer."""
-    from tests.fronts.server_harness import ServerThread, free_port, settings
+    """The engine bundle with SERVER_TEMPLATE."""
+    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
 
-    bundle = tmp_path_factory.mktemp("tools") / "bundle"
-    shutil.copytree(engine_bundle, bundle)
-    (bundle / "tokenizer_config.json").write_text(json.dumps({"chat_template": SERVER_TEMPLATE}))
+    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("tools"), SERVER_TEMPLATE)
     with ServerThread(settings(bundle, http_port=free_port())) as srv:
         yield srv
 
