@@ -219,7 +219,8 @@ def call_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, n
     rules = []
     for i, function in enumerate(functions):
         schema = function.get("parameters") or {"type": "object"}
-        schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+        given = schema.get("x-guidance")
+        schema = {**schema, "x-guidance": {**JSON_LAYOUT, **given} if isinstance(given, dict) else JSON_LAYOUT}
         quoted = json.dumps(function["name"])
         if fmt == "hermes":
             head, tail = HERMES_OPEN + '\n{"name": ' + quoted + ', "arguments": ', "}\n" + HERMES_CLOSE

@@ -66,7 +66,11 @@ CHAT = {
     "max_completion_tokens": st.one_of(small_ints, json_values),
     "logprobs": st.one_of(st.booleans(), json_values),
     "top_logprobs": st.one_of(st.integers(-2, 30), json_values),
-    "tools": json_values,
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": st.one_of(
+        st.fixed_dictionaries({"name": st.text(max_size=8), "parameters": json_values}), json_values)}), max_size=3),
+        json_values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_values),
     "response_format": json_values,
 }
 
