@@ -76,13 +76,15 @@ class ParsedMessage:
 
 
 class ToolCallParser:
+    """Reads one format's calls to a request's tools out of a model's output."""
+
     def __init__(self, fmt: ToolFormat, tool_names: set[str]):
         self.format = fmt
         self.tool_names = frozenset(tool_names)
 
     def call(self, value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
         """`value` as a call: an object naming one of the tools, with an object of arguments (or none)."""
-        if not isinstance(value, dict) or value.get("name") not in self.tool_names:
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] in self.tool_names):
             return None
         arguments = next((value[k] for k in arguments_keys if k in value), {})
         if not isinstance(arguments, dict):

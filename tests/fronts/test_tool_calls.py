@@ -243,6 +243,9 @@ HERMES_OUTPUTS = [  # (output, content, calls)
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', []),  # not JSON
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city"', '<tool_call>\n{"name": "get_weather", '
      '"arguments": {"city"', []),  # cut off by max_tokens
+    ('<tool_call>{"name": ["get_weather"]}</tool_call>', '<tool_call>{"name": ["get_weather"]}</tool_call>', []),
+    ('<tool_call>{"name": "local_time", "arguments": "{}"}</tool_call>',
+     '<tool_call>{"name": "local_time", "arguments": "{}"}</tool_call>', []),
     ("No call: a <tool_ tag and a </tool_call> alone.", "No call: a <tool_ tag and a </tool_call> alone.", []),
     ("  ", "  ", []),
     ("", None, []),
