@@ -312,15 +312,17 @@ def events(text: str, index: int = 0, finish: FinishReason = FinishReason.EOS, s
             for i, piece in enumerate(pieces)]
 
 
-def accumulated(chunks: list[bytes]):
-    """The stream as the openai SDK accumulates it."""
+def accumulated(chunks):
+    """The stream (SSE events, or the SDK's chunks) as the openai SDK accumulates it."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
     state = ChatCompletionStreamState()
     for chunk in chunks:
-        state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(chunk.removeprefix(b"data: "))))
-    return state.get_final_completion()
+        if isinstance(chunk, bytes):
+            chunk = ChatCompletionChunk.model_validate(json.loads(chunk.removeprefix(b"data: ")))
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot  # get_final_completion() refuses a "length" finish
 
 
 @pytest.mark.parametrize("fmt,output,content,calls", OUTPUTS)
@@ -455,13 +457,15 @@ def test_a_malformed_tool_field_is_refused_naming_it(fields, param):
 # ---- live server ---------------------------------------------------------------------------------
 #
 # The engine bundle's context is 128 tokens: its template writes the tools' names only (and names the
-# hermes format in a comment), its tool takes one short string.
+# hermes format in a comment), and the tools' arguments are bounded (a string of at most 4 characters,
+# or none), so that a call fits max_tokens.
 
 SERVER_TEMPLATE = ("{# <tool_call> #}{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"
                    "{% for m in messages %}{{ m.content or '' }}\n{% endfor %}")
 SHORT = {"type": "function", "function": {"name": "rain", "parameters": {
     "type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}, "required": ["c"]}}}
-DRY = {"type": "function", "function": {"name": "dry"}}
+DRY = {"type": "function", "function": {"name": "dry", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}}
 SHORT_MESSAGES = [{"role": "user", "content": "Rain?"}]
 
 
@@ -498,13 +502,27 @@ def test_a_server_renders_the_tools_into_the_prompt_and_answers_a_message(tool_s
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice.function.name"
 
 
+def test_a_streamed_answer_with_tools_adds_up_to_the_whole_one(tool_server):
+    openai = pytest.importorskip("openai")
+    fields = dict(model="", messages=SHORT_MESSAGES, tools=[SHORT, DRY], max_tokens=12, temperature=0, n=2,
+                  extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=tool_server.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as api:
+        whole = api.chat.completions.create(**fields)
+        streamed = accumulated(api.chat.completions.create(stream=True, **fields))
+    for a, b in zip(whole.choices, streamed.choices, strict=True):
+        assert (a.message.content, a.message.tool_calls, a.finish_reason) == \
+            (b.message.content, b.message.tool_calls, b.finish_reason)
+        assert a.message.content
+
+
 # ---- with the engine applying the grammar --------------------------------------------------------
 
 def test_enforced_required_calls_a_tool_with_arguments_of_its_schema(tool_server):
     openai = pytest.importorskip("openai")
     with openai.OpenAI(base_url=tool_server.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as api:
         out = api.chat.completions.create(model="", messages=SHORT_MESSAGES, tools=[SHORT, DRY],
-                                          tool_choice="required", max_tokens=100, temperature=0.8, seed=3)
+                                          tool_choice="required", parallel_tool_calls=False, max_tokens=100,
+                                          temperature=0.8, seed=3)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
         for call in choice.message.tool_calls:
@@ -520,7 +538,7 @@ def test_enforced_required_calls_a_tool_with_arguments_of_its_schema(tool_server
 def test_enforced_a_streamed_call_accumulates_to_the_whole_one(tool_server):
     openai = pytest.importorskip("openai")
     fields = dict(model="", messages=SHORT_MESSAGES, tools=[SHORT, DRY], max_tokens=100, temperature=0.8, seed=5,
-                  tool_choice={"type": "function", "function": {"name": "rain"}})
+                  tool_choice={"type": "function", "function": {"name": "rain"}}, parallel_tool_calls=False)
     with openai.OpenAI(base_url=tool_server.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as api:
         whole = api.chat.completions.create(**fields).choices[0].message.tool_calls
         with api.chat.completions.stream(**fields) as stream:
