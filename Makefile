@@ -48,7 +48,7 @@ test: install
 # --import-mode=append puts the tree after site-packages, so `service` and `attnserve` are the installed
 # ones and only `tests` comes from the tree. Tests that need torch to build a model are skipped, each
 # with its reason in the report. Test tools, installed after the image's removals: pytest, cryptography
-# for the TLS tests, and the openai client for the HTTP front.
+# for the TLS tests, the openai client for the HTTP front, and jsonschema for structured output.
 SERVING         := .venv-serving
 SERVING_BIN     := $(SERVING)/bin
 SERVING_SOURCES := pyproject.toml README.md attnserve service model export bench
@@ -65,7 +65,7 @@ $(SERVING_BIN)/.installed: pyproject.toml constraints.txt Dockerfile
 	mkdir -p $(SERVING)/src && cp -R $(SERVING_SOURCES) $(SERVING)/src/
 	$(SERVING_BIN)/pip install --quiet -c constraints.txt $(SERVING)/src
 	$(SERVING_BIN)/pip uninstall --quiet -y $(IMAGE_REMOVES)
-	$(SERVING_BIN)/pip install --quiet -c constraints.txt pytest cryptography openai
+	$(SERVING_BIN)/pip install --quiet -c constraints.txt pytest cryptography openai jsonschema
 	touch $@
 
 test-serving: $(SERVING_BIN)/.installed

@@ -40,7 +40,9 @@ def test_the_public_names_are_as_documented():
                                                  "GetServerInfo"]
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields] == [
         "request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs",
-        "truncate_prompt"]
+        "truncate_prompt", "json_schema", "json_object", "regex", "choice", "grammar"]
+    assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["constraint"].fields] == [
+        "json_schema", "json_object", "regex", "choice", "grammar"]
     assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == [
         "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_LENGTH", "FINISH_REASON_EOS_TOKEN", "FINISH_REASON_STOP_SEQUENCE"]
     temperature = pb.SamplingParams.DESCRIPTOR.fields_by_name["temperature"]

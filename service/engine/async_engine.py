@@ -29,11 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine, EngineStats, Output
 from service.engine.errors import EngineError, EngineStopped, InvalidRequest, ModelError, Overloaded
+from service.engine.grammar import Grammar
 from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.sequence import RequestState, Timing
 
@@ -167,6 +169,9 @@ class Published:
     stats: EngineStats
     taken: int  # add commands taken from the queue so far
 
+GRAMMAR_COMPILE_S = 10.0  # a constraint that takes longer to compile is refused
+COMPILE_THREADS = 2  # grammars compiled at once; more wait their turn (within the time limit)
+
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: Engine | None = None):
@@ -187,6 +192,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
     def start(self) -> None:
         if self._thread is None:
@@ -195,12 +201,32 @@ class AsyncEngine:
 
     # ---- the loop's side -----------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Accept a request or refuse it (call from the event loop); iterate the result for its events."""
+    async def compile(self, requests: list[GenerationRequest]) -> list[Grammar | None]:
+        """The grammars of the constrained `requests`, compiled in worker threads (or found in the cache)
+        within `GRAMMAR_COMPILE_S`; raises InvalidRequest for one that does not compile in time."""
+        grammars: list[Grammar | None] = []
+        for request in requests:
+            c = request.constraint
+            cached = self.engine.grammars.cached(c) if c is not None else None
+            if c is None or cached is not None:
+                grammars.append(cached)
+                continue
+            try:
+                grammars.append(await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(self._compiler, self.engine.grammars.compile, c),
+                    GRAMMAR_COMPILE_S))
+            except TimeoutError:
+                raise InvalidRequest("constraint", f"the {c.kind.replace('_', ' ')} took longer than "
+                                     f"{GRAMMAR_COMPILE_S:g} s to compile; simplify it") from None
+        return grammars
+
+    def submit(self, request: GenerationRequest, grammar: Grammar | None = None) -> RequestStream:
+        """Accept a request or refuse it (call from the event loop); iterate the result for its events.
+        A constrained request's grammar comes from `compile` (else it is compiled here, on the loop)."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         self._loop = self._loop or asyncio.get_running_loop()
-        state = self.engine.new_request(request)  # pure: validates, raises InvalidRequest
+        state = self.engine.new_request(request, grammar)  # pure: validates, raises InvalidRequest
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         self._admit(request.n)
@@ -269,6 +295,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.engine.grammars.close()
 
     def _dispatch(self, out: list[tuple[str, RequestState, TokenEvent | EngineError | None, Timing]]) -> None:
         now = time.monotonic()

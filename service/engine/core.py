@@ -34,6 +34,7 @@ from service.engine.cache_plan import plan_caches
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
+from service.engine.grammar import Grammar, Grammars, MaskJob, allowed
 from service.engine.kv_cache import KVCache
 from service.engine.output import Output, OutputStep
 from service.engine.request import EngineLimits, Generated, GenerationRequest, TokenEvent
@@ -102,6 +103,7 @@ class Engine:
                                    encoder_decoder=self.encoder_decoder)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
         self.output = OutputStep(self.scheduler, self.eos_ids, self.end)
+        self.grammars = Grammars(self.tokenizer, m.vocab_size, sorted(self.eos_ids))  # structured output
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
         self.requests: dict[str, RequestState] = {}
@@ -125,14 +127,17 @@ class Engine:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()
         self.runner.decode_every_batch_size(self.max_running)
-        log.info("warmed up decode at batch sizes 1-%d in %.1f s", self.max_running,
+        self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
+        log.info("warmed up decode at batch sizes 1-%d and the grammar tokenizer in %.1f s", self.max_running,
                  time.perf_counter() - started)
 
     # ---- requests in and out -------------------------------------------------------------------
 
-    def new_request(self, request: GenerationRequest) -> RequestState:
+    def new_request(self, request: GenerationRequest, grammar: Grammar | None = None) -> RequestState:
         """Validate a request and build its state. Pure: reads only what never changes (the model,
-        the limits, the tokenizer), so any thread may call it; `add` hands the state to the engine."""
+        the limits, the tokenizer), so any thread may call it; `add` hands the state to the engine.
+        A constrained request's `grammar` is compiled here unless given (`AsyncEngine` compiles it
+        in a worker thread first)."""
         request.validate(self.model.vocab_size, self.context, self.limits)
         if request.n > self.max_running:
             raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.max_running} at once")
@@ -144,9 +149,13 @@ class Engine:
                                      want_logprobs=request.logprobs, top_logprobs=request.top_logprobs,
                                      suppress=self._suppressed_until_min_tokens(request),
                                      min_tokens=request.stopping.min_new_tokens)
+        if request.constraint is not None and grammar is None:
+            grammar = self.grammars.compile(request.constraint)
         for i in range(request.n):
             sampling = first if i == 0 else first.fork(i, seed)
-            state.seqs.append(Sequence(state, i, sampling, TextStream(self.tokenizer, request.stopping.stop)))
+            seq = Sequence(state, i, sampling, TextStream(self.tokenizer, request.stopping.stop))
+            seq.matcher = grammar.matcher() if grammar is not None else None
+            state.seqs.append(seq)
         return state
 
     def _suppressed_until_min_tokens(self, request: GenerationRequest) -> np.ndarray:
@@ -236,7 +245,8 @@ class Engine:
                 emit(out)
                 out = []
         if batch.decode:
-            out += self._sample_and_update(self._run_decode(batch.decode))
+            masks = self._start_masks(batch.decode)  # computed while the model runs
+            out += self._sample_and_update(self._run_decode(batch.decode), masks)
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
@@ -296,15 +306,17 @@ class Engine:
 
     # ---- sample, then the output step (engine/output.py) ---------------------------------------
 
-    def _sample_and_update(self, ran: RunnerOutput) -> list[Output]:
+    def _sample_and_update(self, ran: RunnerOutput, masks: MaskJob | None = None) -> list[Output]:
         out = ran.failed
         seqs = ran.seqs
         if not seqs:
+            if masks is not None:
+                masks.wait()  # its matchers advance next step: not while the worker reads them
             return out
         logits = ran.logits
         if self.sampleable < logits.shape[1]:
             logits[:, self.sampleable:] = -np.inf
-        result = sample(logits, self._sampling_batch(seqs))
+        result = sample(logits, self._sampling_batch(seqs), masks=self._allowed(seqs, masks))
         now = time.monotonic()
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step
         for i, seq in enumerate(seqs):
@@ -312,6 +324,21 @@ class Engine:
             out += self.output.update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
         self._count(len(seqs))
         return out
+
+    def _start_masks(self, seqs: list[Sequence]) -> MaskJob | None:
+        """The grammar masks of the constrained rows that will be sampled, started in a worker thread."""
+        constrained = [(s, s.matcher) for s in seqs if s.matcher is not None and s.status is Status.DECODING]
+        return self.grammars.start_masks(constrained) if constrained else None
+
+    def _allowed(self, seqs: list[Sequence], job: MaskJob | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, allowed tokens) of the constrained rows among `seqs`, from `job` where it has them."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        keys = [seqs[i] for i in rows]
+        if job is None or not job.covers(keys):
+            job = self.grammars.masks_now([(s, s.matcher) for s in keys])
+        return np.array(rows), allowed(job.masks(keys), self.model.vocab_size)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The rows' sampling parameters as vectors, rebuilt only when the rows change."""

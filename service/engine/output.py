@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.engine.errors import EngineError
+from service.engine.errors import EngineError, ModelError
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
@@ -32,7 +32,13 @@ class OutputStep:
         seq.sampling.accept(token)
         if state.first_token_at is None:
             state.first_token_at = now
-        reason, text = self.stop(seq, token)
+        complete = False  # the output is a whole sentence of its grammar, which allows nothing more
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                return self.end(state, ModelError(f"token {token} left the request's grammar: "
+                                                  f"{seq.matcher.get_error()}"))
+            complete = seq.matcher.is_stopped()
+        reason, text = self.stop(seq, token, complete)
         out: list[Output] = [(state, TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now))]
         if reason is None:
             self.scheduler.feed(seq, token)
@@ -40,9 +46,9 @@ class OutputStep:
             out += self.finish(seq, reason)
         return out
 
-    def stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str]:
+    def stop(self, seq: Sequence, token: int, complete: bool = False) -> tuple[FinishReason | None, str]:
         """Whether `seq` ends with `token` (and why), and the text to emit with it. Stop conditions
-        count only from min_new_tokens on; the max_new_tokens limit always does."""
+        count only from min_new_tokens on; the max_new_tokens limit and a `complete` grammar always do."""
         st = seq.request.stopping
         n_out = len(seq.output_ids)
         active = n_out >= st.min_new_tokens
@@ -54,10 +60,10 @@ class OutputStep:
             text, by_string = seq.text.push(token, check_stop=active)
             if by_string:
                 return FinishReason.STOP, text
-            if n_out < st.max_new_tokens:
+            if n_out < st.max_new_tokens and not complete:
                 return None, text
             tail, by_string = seq.text.finish(check_stop=active)  # a stop string may still match the held text
-            return (FinishReason.STOP if by_string else FinishReason.LENGTH), text + tail
+            return (FinishReason.STOP if by_string or complete else FinishReason.LENGTH), text + tail
         tail, by_string = seq.text.finish(check_stop=active)
         return (FinishReason.STOP if by_string else reason), tail
 

@@ -1,6 +1,7 @@
 """Logits -> next tokens for a whole batch at once: pure numpy, per-row parameters, per-row RNG.
 
-    penalties (repetition, presence, frequency) -> suppression (min_new_tokens) -> greedy rows: argmax
+    grammar masks (structured output) -> penalties (repetition, presence, frequency) -> suppression
+    (min_new_tokens) -> greedy rows: argmax
     -> other rows: / temperature -> softmax -> top-k, top-p, min-p -> inverse-CDF draw with the row's RNG
 
 Every operation is row-wise, and each row draws its uniform number from its own generator, so a
@@ -230,16 +231,22 @@ def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.n
     return tokens
 
 
-def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n: int = 0) -> SampleOutput:
-    """Choose one token per row of `logits` [B, vocab] (not modified). Logprobs are computed only for
-    the rows that asked for them; the others get NaN."""
+def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n: int = 0,
+           masks: tuple[np.ndarray, np.ndarray] | None = None) -> SampleOutput:
+    """Choose one token per row of `logits` [B, vocab] (not modified). `masks` = (rows, allowed [R, vocab]
+    bool): those rows may choose only allowed tokens. Logprobs are computed only for the rows that asked
+    for them; the others get NaN."""
     if not isinstance(batch, SamplingBatch):
         batch = SamplingBatch(batch)
     states = batch.states
     adjust = batch.penalised + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.penalised]
     adjusted = logits
+    if adjust or masks is not None:
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: masks and penalties write into it
+    if masks is not None:
+        rows, allowed = masks
+        adjusted[rows] = np.where(allowed, adjusted[rows], -np.inf)
     if adjust:
-        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
         apply_penalties(adjusted, states, adjust)
     if batch.all_greedy:
         tokens = adjusted.argmax(axis=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.engine.detokenizer import TextStream
 from service.engine.request import FinishReason, GenerationRequest
@@ -39,6 +40,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens already in the cache
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    matcher: Any = None  # the llguidance matcher of a constrained request, advanced with each token
 
     @property
     def request(self) -> GenerationRequest:

@@ -2,7 +2,7 @@
 they arrive, and the guarantee that whatever ends the call (the last token, an error, the client going
 away) frees every KV slot it holds at the engine's next step, and counts it out of the drain.
 
-    gen = Generation(state, call, accepted_requests)   # submits every prompt, or none (Overloaded, InvalidRequest)
+    gen = await Generation.start(state, call, accepted_requests)   # every prompt submitted, or none
     async for stream_index, events in gen.events(receive):   # receive: watch for a disconnect
         ...
     gen.close()                                # idempotent; cancels what is still running
@@ -28,21 +28,29 @@ class ClientGone(Cancelled):
 
 
 class Generation:
-    def __init__(self, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest]):
+    def __init__(self, state: FrontState, call: Call):
         self.state, self.call = state, call
         self.streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+
+    @classmethod
+    async def start(cls, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest]) -> Generation:
+        """Compile the requests' grammars (in worker threads), then submit every prompt, or none."""
         engine = state.admit()
+        generation = cls(state, call)
         state.in_flight_enter()
         try:
-            for accepted in accepted_requests:
-                stream = engine.submit(accepted.request)
-                self.streams.append(stream)
+            grammars = await engine.compile([a.request for a in accepted_requests])
+            engine = state.admit()  # still serving after the wait
+            for accepted, grammar in zip(accepted_requests, grammars, strict=True):
+                stream = engine.submit(accepted.request, grammar)
+                generation.streams.append(stream)
                 call.accepted(accepted, stream)
         except BaseException:
-            self.close()
+            generation.close()
             raise
+        return generation
 
     async def events(self, receive=None) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
         """(stream index, events) as they arrive, until every stream has ended. An engine error ends it

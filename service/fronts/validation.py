@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import (
+    Constraint,
     EngineLimits,
     GenerationRequest,
     SamplingParams,
@@ -45,6 +46,7 @@ class RequestFields(BaseModel):
     logprobs: bool = False
     echo: bool = False
     truncate_prompt: bool = False
+    constraint: Constraint | None = None  # structured output: the grammar every completion must match
 
     @field_validator("request_id")
     @classmethod
@@ -114,7 +116,7 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     sampling = {**(model.sampling_defaults or {}), **sampling}
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
-                                logprobs=f.logprobs, truncate_prompt=f.truncate_prompt)
+                                logprobs=f.logprobs, truncate_prompt=f.truncate_prompt, constraint=f.constraint)
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo)

@@ -463,7 +463,8 @@ def test_a_malformed_tool_field_is_refused_naming_it(fields, param):
 SERVER_TEMPLATE = ("{# <tool_call> #}{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"
                    "{% for m in messages %}{{ m.content or '' }}\n{% endfor %}")
 SHORT = {"type": "function", "function": {"name": "rain", "parameters": {
-    "type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}, "required": ["c"]}}}
+    "type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}, "required": ["c"],
+    "additionalProperties": False}}}
 DRY = {"type": "function", "function": {"name": "dry", "parameters": {"type": "object", "properties": {},
                                                                       "additionalProperties": False}}}
 SHORT_MESSAGES = [{"role": "user", "content": "Rain?"}]
@@ -532,7 +533,7 @@ def test_enforced_required_calls_a_tool_with_arguments_of_its_schema(tool_server
         named = api.chat.completions.create(model="", messages=SHORT_MESSAGES, tools=[SHORT, DRY], max_tokens=100,
                                             tool_choice={"type": "function", "function": {"name": "rain"}},
                                             parallel_tool_calls=False, temperature=0.8, seed=3)
-        assert [c.function.name for c in named.choices[0].message.tool_calls] == ["rain"]
+        assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["rain"], named.choices[0]
 
 
 def test_enforced_a_streamed_call_accumulates_to_the_whole_one(tool_server):

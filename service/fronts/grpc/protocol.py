@@ -10,12 +10,14 @@ The checks and defaults are every front's (`service.fronts.validation`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from attnserve.v1 import generate_pb2 as pb
-from service.engine.request import FinishReason, TokenEvent
+from service.engine.errors import InvalidRequest
+from service.engine.request import Constraint, FinishReason, TokenEvent
 from service.engine.sequence import Timing
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
@@ -34,8 +36,22 @@ def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest
     ids = usable_prompt_ids(msg.prompt_token_ids, msg.truncate_prompt, model)
     fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
-              "truncate_prompt": msg.truncate_prompt}
+              "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg)}
     return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)
+
+
+def constraint(msg: pb.GenerateRequest) -> Constraint | None:
+    """The request's `constraint` oneof as the engine's `Constraint`."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        if not msg.json_object:
+            raise InvalidRequest("json_object", "set it to true, or leave the constraint unset")
+        return Constraint("json_object")
+    if which == "choice":
+        return Constraint("choice", json.dumps(list(msg.choice.choices)))
+    return Constraint(which, getattr(msg, which))
 
 
 def sampling_values(msg: pb.SamplingParams) -> dict:

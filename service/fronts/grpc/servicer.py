@@ -143,7 +143,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 accepted.request.deadline = time.monotonic() + remaining
-            generation = Generation(self.state, call, [accepted])
+            generation = await Generation.start(self.state, call, [accepted])
             try:
                 yield call, accepted, generation.streams[0]
             finally:

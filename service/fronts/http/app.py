@@ -28,7 +28,6 @@ from starlette.routing import Route
 
 from service import logs
 from service.engine.errors import EngineError, InvalidRequest, Overloaded
-from service.engine.request import Constraint
 from service.fronts.call import Call
 from service.fronts.front_state import FrontState
 from service.fronts.generation import ClientGone, Generation
@@ -46,7 +45,9 @@ from service.fronts.http.openai_responses import (
 )
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
+from service.fronts.http.structured import constraint_of
 from service.fronts.status import HttpStatus, http_status_for
+from service.fronts.tool_calls import ToolUse
 from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
@@ -157,9 +158,7 @@ class HttpFront:
                    "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
                    and body.max_tokens is None else "max_tokens"}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
-        if tools and tools.grammar:
-            accepted.request.constraint = Constraint("grammar", tools.grammar)
+        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request, tools)
         logs.request_id.set(accepted.request_id)
         builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body),
                               tools.parser if tools else None)
@@ -170,7 +169,7 @@ class HttpFront:
     async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
                         builder: ResponseBuilder, stream: bool, renames: dict[str, str]) -> Response:
         try:
-            generation = Generation(self.state, call, accepted_requests)  # the engine's own checks run here
+            generation = await Generation.start(self.state, call, accepted_requests)  # the engine checks them
         except InvalidRequest as e:
             raise renamed(e, renames) from None
         if stream:
@@ -222,10 +221,14 @@ class HttpFront:
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
-                default_max_new: int | None, facts, renames: dict[str, str], request: Request) -> AcceptedRequest:
-        """The engine request of `fields` and the body's sampling and stopping; errors named as the body names
-        them (`renames`), and the body's or the header's timeout as its deadline."""
-        fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
+                default_max_new: int | None, facts, renames: dict[str, str], request: Request,
+                tools: ToolUse | None = None) -> AcceptedRequest:
+        """The engine request of `fields` and the body's sampling, stopping and constraint (or its `tools`'); errors
+        named as the body names them (`renames`), and the body's or the header's timeout as its deadline."""
+        constraint, asked_by = constraint_of(body, tools)
+        if asked_by:
+            renames["constraint"] = asked_by  # the engine's errors about it, named as the body names it
+        fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "constraint": constraint}
         try:
             accepted = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:

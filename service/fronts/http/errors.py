@@ -65,6 +65,9 @@ def schema_error(error: ValidationError) -> InvalidRequest:
         return InvalidRequest("body", "must be a JSON object")
     got = json.dumps(err.get("input"), ensure_ascii=False, default=str)
     got = got if len(got) <= 80 else got[:77] + "..."
+    if err["type"] == "extra_forbidden":
+        return InvalidRequest(path, "is not a field this server implements; remove it (docs/api.md lists "
+                              "every field and what the server does with it)")
     message = err["msg"] if err["type"] != "missing" else "is required"
     return InvalidRequest(path, f"{message}" + (f"; got {got}" if err["type"] != "missing" else ""))
 

@@ -2,10 +2,11 @@
 
 Only types live here. Every range (temperature, top_p, n, max_tokens, the stop strings, ...) is the
 engine's and is checked by `service.fronts.validation.accept`, for this front and the gRPC front
-alike; the tools of a chat request are checked here (their names, `tool_choice` against them). Fields
-OpenAI defines that this server cannot honour (`suffix`, `logit_bias`, a JSON `response_format`,
-`best_of` other than `n`) are refused by name rather than ignored; fields
-nobody defines are ignored, as OpenAI-compatible servers do, so that clients which send extras work.
+alike; the tools of a chat request are checked here (their names, `tool_choice` against them). No
+field is ignored: a field this server does not implement, whoever defines it, is refused by name
+(`extra="forbid"`, and `refuse_unsupported` for values it cannot honour, such as `suffix` or a
+`logit_bias`). The fields OpenAI accepts that change nothing here (`user`, ...) are listed in
+docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
 """
 
 from __future__ import annotations
@@ -23,14 +24,41 @@ Number = StrictInt | StrictFloat
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
     """What both endpoints take: OpenAI's sampling fields and vLLM's extensions (top_k, min_p, ...)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -54,6 +82,13 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     # the server's deadline for the whole request, in seconds (or the X-Request-Timeout header)
     timeout: Number | None = None
+    # structured output (service.fronts.http.structured): OpenAI's, then vLLM's; one at most
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -152,12 +187,12 @@ class Tool(BaseModel):
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: StrictStr
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionName
 
@@ -171,13 +206,21 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
+    # OpenAI's, accepted and without effect here (docs/api.md)
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         self._check_tools()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format", "only {'type': 'text'} is supported by this server")
+        if self.store:
+            raise InvalidRequest("store", "this server keeps no completions; leave it false or unset")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise InvalidRequest("modalities", "only [\"text\"] is served")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
 
