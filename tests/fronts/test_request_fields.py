@@ -1,0 +1,114 @@
+"""docs/api.md's table of HTTP request fields, walked against both endpoints: every field the schemas take
+is documented and every documented field is taken; each is accepted with a valid value, the documented
+refusals are 400s naming the field, and a field the table does not list is refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from tests.fronts.server_harness import ServerThread, free_port, settings
+from tests.fronts.test_http_api import CHATML, oai
+
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+ENDPOINTS = {"completions": ("/completions", CompletionRequest, {"prompt": [5, 6], "max_tokens": 2}),
+             "chat": ("/chat/completions", ChatCompletionRequest,
+                      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})}
+
+# a valid value of each documented field (with what it needs beside it), sent alone on top of a minimal body
+ACCEPTED = {
+    "model": {"model": ""}, "prompt": {"prompt": "To be"}, "messages": {"messages": [{"role": "user", "content": "x"}]},
+    "max_tokens": {"max_tokens": 3}, "max_completion_tokens": {"max_completion_tokens": 3},
+    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "n": {"n": 2}, "stop": {"stop": ["zz"]},
+    "presence_penalty": {"presence_penalty": 0.1}, "frequency_penalty": {"frequency_penalty": 0.1},
+    "seed": {"seed": 3}, "stream": {"stream": False}, "stream_options": {"stream_options": {"include_usage": True}},
+    "echo": {"echo": True}, "logprobs": {"completions": {"logprobs": 1}, "chat": {"logprobs": True}},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "add_generation_prompt": {"add_generation_prompt": True},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "guided_json": {"guided_json": {"type": "object"}}, "guided_regex": {"guided_regex": "[a-z]"},
+    "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {"guided_grammar": 'start: "x"'},
+    "structured_outputs": {"structured_outputs": {"regex": "[0-9]"}},
+    "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "repetition_penalty": {"repetition_penalty": 1.1},
+    "min_tokens": {"min_tokens": 1}, "ignore_eos": {"ignore_eos": True}, "stop_token_ids": {"stop_token_ids": [3]},
+    "timeout": {"timeout": 30}, "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tool_choice": {"tool_choice": "none"}, "parallel_tool_calls": {"parallel_tool_calls": False},
+    "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": False},
+    "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
+    "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
+    "logit_bias": {"logit_bias": {}}, "suffix": {"suffix": ""}, "best_of": {"best_of": 1},
+}
+# the refusals the table documents: a value the server cannot honour, refused naming the field
+REFUSED = {
+    "tool_choice": "required", "store": True, "modalities": ["audio"],
+    "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2,
+}
+
+
+def documented() -> dict[str, set[str]]:
+    """endpoint -> the fields the table lists for it."""
+    text = API_DOC.read_text()
+    table = text[text.index("| field | endpoints | type |"):]
+    table = table[:table.index("\n\n")]
+    fields: dict[str, set[str]] = {"completions": set(), "chat": set()}
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        names = re.findall(r"`([a-z_]+)`", cells[0])
+        for endpoint in ("completions", "chat") if cells[1] == "both" else (cells[1],):
+            fields[endpoint].update(names)
+    return fields
+
+
+def schema_fields(model) -> set[str]:
+    return {info.alias or name for name, info in model.model_fields.items()}
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_the_table_lists_exactly_the_fields_each_endpoint_takes(endpoint):
+    assert documented()[endpoint] == schema_fields(ENDPOINTS[endpoint][1])
+
+
+@pytest.fixture(scope="module")
+def api(engine_bundle, tmp_path_factory):
+    bundle = tmp_path_factory.mktemp("fields") / "bundle"
+    shutil.copytree(engine_bundle, bundle)
+    (bundle / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    with ServerThread(settings(bundle, http_port=free_port())) as srv, oai(srv) as client:
+        yield client
+
+
+def post(api: openai.OpenAI, endpoint: str, extra: dict) -> dict:
+    path, _, base = ENDPOINTS[endpoint]
+    return api.post(path, body={**base, **extra}, cast_to=object)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_documented_field_is_accepted_with_a_valid_value(api, endpoint):
+    for field in sorted(documented()[endpoint]):
+        extra = ACCEPTED[field]
+        extra = extra.get(endpoint, extra) if field == "logprobs" else extra
+        answer = post(api, endpoint, extra)
+        assert answer["choices"], (field, answer)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_the_documented_refusals_name_their_field(api, endpoint):
+    for field, value in REFUSED.items():
+        if field not in documented()[endpoint]:
+            continue
+        with pytest.raises(openai.BadRequestError) as e:
+            post(api, endpoint, {field: value})
+        assert e.value.body["param"] == field, (field, e.value.body)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("field", ["frobnicate", "functions", "guided_decoding_backend", "chat_template_kwargs"])
+def test_a_field_the_table_does_not_list_is_refused_by_name(api, endpoint, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        post(api, endpoint, {field: 1})
+    assert e.value.body["param"] == field and "not a field this server implements" in e.value.body["message"]
