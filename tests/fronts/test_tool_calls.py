@@ -503,6 +503,18 @@ def test_a_server_renders_the_tools_into_the_prompt_and_answers_a_message(tool_s
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice.function.name"
 
 
+def test_a_second_constraint_or_parameters_that_do_not_compile_are_a_400_naming_tool_choice(tool_server):
+    body = {"messages": SHORT_MESSAGES, "max_tokens": 4, "tools": [SHORT], "tool_choice": "required"}
+    both = post(tool_server, {**body, "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice", both.text
+    assert "response_format" in both.json()["error"]["message"]
+    bogus = {"type": "function", "function": {"name": "rain", "parameters": {
+        "type": "object", "properties": {"c": {"type": "string", "format": "no-such-format"}}}}}
+    refused = post(tool_server, {**body, "tools": [bogus]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice", refused.text
+    assert post(tool_server, {**body, "tools": [bogus], "tool_choice": "auto"}).status_code == 200
+
+
 def test_a_streamed_answer_with_tools_adds_up_to_the_whole_one(tool_server):
     openai = pytest.importorskip("openai")
     fields = dict(model="", messages=SHORT_MESSAGES, tools=[SHORT, DRY], max_tokens=12, temperature=0, n=2,
