@@ -125,9 +125,10 @@ class HermesStream:
         while True:
             start = self.held.find(HERMES_OPEN, self.scan)
             end = self.held.find(HERMES_CLOSE, start + len(HERMES_OPEN)) if start >= 0 else -1
-            if final and end < 0:
+            if final and end < 0:  # the rest is text, but whitespace alone after a call
                 if self.has_text or self.held.strip() or not self.called:
                     self._send(out, len(self.held), final)
+                self.held = ""
                 return out
             if start < 0:  # hold a suffix that may begin a block
                 pending = self.held[self.scan:]
