@@ -1,7 +1,7 @@
 """The model's chat template: messages -> the prompt text, rendered as transformers renders it.
 
     template = ChatTemplate.from_bundle(bundle_dir)     # None: the model has no chat template
-    text = template.render(messages, add_generation_prompt=True)
+    text = template.render(messages, add_generation_prompt=True, tools=None)   # tools: OpenAI's function dicts
     ids = tokenizer.encode(text, add_special_tokens=False)   # the template wrote the BOS if it wants one
 
 The template comes from the checkpoint the bundle was imported from: `chat_template.jinja`, or the
@@ -88,11 +88,13 @@ class ChatTemplate:
         tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
         return cls(source, tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
-        """The prompt text for `messages` (plain dicts: role, content, ...); raises ChatTemplateError."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+        """The prompt text for `messages` (plain dicts: role, content, ...) and `tools` (`{"type": "function",
+        "function": {...}}` dicts, or None as transformers passes no tools); raises ChatTemplateError."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **variables})
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=None, **{**self.special_tokens, **variables})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:

@@ -10,6 +10,8 @@ otherwise the server builds its own from the settings, as `attnserve serve` does
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import socket
 import threading
 import time
@@ -38,6 +40,15 @@ def settings(bundle: Path, **overrides) -> ServerSettings:
                   max_batch_tokens=256, max_waiting=64, threads=1, grace_period_s=10.0)
     values.update(overrides)
     return ServerSettings(**values)
+
+
+def with_chat_template(bundle: Path, directory: Path, template: str) -> Path:
+    """A copy of `bundle` in `directory` with `template` beside its tokenizer, as an imported checkpoint
+    brings one."""
+    copy = directory / "bundle"
+    shutil.copytree(bundle, copy)
+    (copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return copy
 
 
 def engine_for(s: ServerSettings, wrap: Callable[[Engine], None] | None = None) -> AsyncEngine:

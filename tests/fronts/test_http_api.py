@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -16,7 +15,15 @@ httpx2 = pytest.importorskip("httpx2")
 
 from service.client import Client  # noqa: E402
 from service.runtime.bundle import read_manifest  # noqa: E402
-from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until  # noqa: E402
+from tests.fronts.server_harness import (  # noqa: E402
+    ServerThread,
+    engine_for,
+    free_port,
+    settings,
+    slowed,
+    wait_until,
+    with_chat_template,
+)
 
 PROMPT = "Rom.\nBut soft"
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -213,10 +220,8 @@ def test_32_concurrent_streams_through_async_openai(server):
 
 @pytest.fixture(scope="module")
 def chat_server(engine_bundle, tmp_path_factory):
-    """The engine bundle with a ChatML template beside its tokenizer, as an imported checkpoint brings one."""
-    bundle = tmp_path_factory.mktemp("chat") / "bundle"
-    shutil.copytree(engine_bundle, bundle)
-    (bundle / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    """The engine bundle with a ChatML template."""
+    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("chat"), CHATML)
     with ServerThread(settings(bundle, http_port=free_port())) as srv:
         yield srv
 
@@ -347,7 +352,7 @@ def test_an_invalid_field_is_a_400_naming_it(server, body, param):
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_an_invalid_chat_field_is_a_400_naming_it(server, body, param):

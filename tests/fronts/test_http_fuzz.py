@@ -66,7 +66,13 @@ CHAT = {
     "max_completion_tokens": st.one_of(small_ints, json_values),
     "logprobs": st.one_of(st.booleans(), json_values),
     "top_logprobs": st.one_of(st.integers(-2, 30), json_values),
-    "tools": json_values,
+    "tools": st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": st.one_of(
+        st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "g"]), st.text(max_size=8))},
+                              optional={"parameters": json_values, "description": json_values}), json_values)}),
+        max_size=3), json_values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+                             json_values),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_values),
     "response_format": json_values,
 }
 
@@ -132,3 +138,33 @@ def test_no_body_gets_a_5xx_and_streams_beside_are_unchanged(server, http):
         thread.join(120)
     assert problems == [] and len(seen) >= 1
     assert http.get("/health").status_code == 200
+
+
+TOOL_TEMPLATE = "{# <tool_call> #}{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+called = st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]), "arguments": st.one_of(
+    st.just('{"a": 1}'), st.text(max_size=10), json_values)})}, optional={"id": json_values, "type": json_values})
+tool_turn = st.fixed_dictionaries({"role": st.sampled_from(["assistant", "tool"])}, optional={
+    "content": st.one_of(st.text(max_size=20), json_values), "tool_calls": st.one_of(st.lists(called, max_size=2), json_values),
+    "tool_call_id": json_values})
+conversations = st.one_of(st.just([{"role": "user", "content": "hi"}]),
+                          st.lists(st.one_of(tool_turn, st.just({"role": "user", "content": "hi"})), min_size=1, max_size=3))
+
+
+def test_no_tools_body_gets_a_5xx(engine_bundle, tmp_path_factory):
+    """Tools reach a template that renders them, and a grammar is built for them: still never a 5xx."""
+    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+
+    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("tools"), TOOL_TEMPLATE)
+    with ServerThread(settings(bundle, http_port=free_port())) as srv, \
+            httpx2.Client(base_url=srv.http_url, timeout=120) as h:
+
+        @hsettings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+        @given(st.fixed_dictionaries({"messages": conversations, "max_tokens": st.just(2)},
+                                     optional={name: CHAT[name] for name in TOOL_FIELDS}))
+        def one(body):
+            r = h.post("/v1/chat/completions", content=json.dumps(body))
+            assert r.status_code < 500, (body, r.text)
+
+        one()
+        assert h.get("/health").status_code == 200

@@ -36,7 +36,8 @@ ACCEPTED = {
     "structured_outputs": {"structured_outputs": {"regex": "[0-9]"}},
     "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "repetition_penalty": {"repetition_penalty": 1.1},
     "min_tokens": {"min_tokens": 1}, "ignore_eos": {"ignore_eos": True}, "stop_token_ids": {"stop_token_ids": [3]},
-    "timeout": {"timeout": 30}, "tools": {"tools": []}, "tool_choice": {"tool_choice": "none"},
+    "timeout": {"timeout": 30}, "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tool_choice": {"tool_choice": "none"}, "parallel_tool_calls": {"parallel_tool_calls": False},
     "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": False},
     "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
     "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
@@ -44,7 +45,7 @@ ACCEPTED = {
 }
 # the refusals the table documents: a value the server cannot honour, refused naming the field
 REFUSED = {
-    "tools": [{"type": "function", "function": {"name": "f"}}], "store": True, "modalities": ["audio"],
+    "tool_choice": "required", "store": True, "modalities": ["audio"],
     "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2,
 }
 

@@ -47,6 +47,7 @@ from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionR
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.structured import constraint_of
 from service.fronts.status import HttpStatus, http_status_for
+from service.fronts.tool_calls import ToolUse
 from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
@@ -132,11 +133,12 @@ class HttpFront:
         body, size = await read_body(request, ChatCompletionRequest, self.state)
         template = self._chat_template()
         facts = self.state.model
-        conversation = body.conversation()
+        conversation, tools = body.conversation(), body.tool_use(template.source)
 
         def render() -> list[int]:
             try:
-                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt)
+                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt,
+                                       tools=tools.tools if tools else None)
             except ChatTemplateError as e:
                 raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
             if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
@@ -154,9 +156,10 @@ class HttpFront:
                    "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
                    and body.max_tokens is None else "max_tokens"}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request)
+        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request, tools)
         logs.request_id.set(accepted.request_id)
-        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body))
+        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body),
+                              tools.parser if tools else None)
         return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
 
     # ---- generation -----------------------------------------------------------------------------
@@ -217,10 +220,11 @@ class HttpFront:
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
-                default_max_new: int | None, facts, renames: dict[str, str], request: Request) -> AcceptedRequest:
-        """The engine request of `fields` and the body's sampling and stopping; errors named as the body names
-        them (`renames`), and the body's or the header's timeout as its deadline."""
-        constraint, asked_by = constraint_of(body)
+                default_max_new: int | None, facts, renames: dict[str, str], request: Request,
+                tools: ToolUse | None = None) -> AcceptedRequest:
+        """The engine request of `fields` and the body's sampling, stopping and constraint (or its `tools`'); errors
+        named as the body names them (`renames`), and the body's or the header's timeout as its deadline."""
+        constraint, asked_by = constraint_of(body, tools)
         if asked_by:
             renames["constraint"] = asked_by  # the engine's errors about it, named as the body names it
         fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "constraint": constraint}

@@ -5,6 +5,8 @@ A request with P prompts and `n` samples has P·n choices; prompt p's sample j i
 as OpenAI numbers them. Each choice's text is the concatenation of its events' text deltas (the
 detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`;
 with `echo` and logprobs, the prompt's tokens and their logprobs come first (in a stream, in the first chunk).
+A chat request with tools reads each choice's text into content and `tool_calls`
+(`service.fronts.tool_calls`), whole or as it streams.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.responses import StreamingResponse
 
 from service.engine.request import FinishReason, TokenEvent
 from service.fronts.token_texts import TokenTexts
+from service.fronts.tool_calls import ParsedMessage, ToolCallParser
 from service.fronts.validation import AcceptedRequest
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
@@ -130,14 +133,14 @@ class ResponseBuilder:
     def add(self, stream_index: int, events: list[TokenEvent]) -> None:
         self._add(stream_index, events)
 
-    def _chunk_choice(self, index: int, text: str, logprobs: Any) -> dict[str, Any]:
-        """A streamed chunk's entry for one choice: its new text and logprobs."""
+    def _chunk_choice(self, index: int, text: str, logprobs: Any) -> dict[str, Any] | None:
+        """A streamed chunk's entry for one choice: its new text and logprobs (None: nothing to send yet)."""
         raise NotImplementedError
 
     def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
-        """Fold events in; one SSE chunk per choice they touch."""
-        return [sse(self.envelope([self._chunk_choice(index, text, lp)], chunk=True))
-                for index, (text, lp) in self._add(stream_index, events).items()]
+        """Fold events in; one SSE chunk per choice they touch (and have something to send for)."""
+        entries = [self._chunk_choice(index, text, lp) for index, (text, lp) in self._add(stream_index, events).items()]
+        return [sse(self.envelope([entry], chunk=True)) for entry in entries if entry is not None]
 
     def choice(self, stream_index: int, event: TokenEvent) -> Choice:
         return self.choices[stream_index * self.n + event.index]
@@ -209,6 +212,13 @@ class ChatBuilder(ResponseBuilder):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, model: str, accepted_requests: list[AcceptedRequest], texts: TokenTexts,
+                 include_usage: bool = False, tool_parser: ToolCallParser | None = None):
+        super().__init__(model, accepted_requests, texts, include_usage)
+        self.tool_parser = tool_parser  # None: the text is all content
+        self._tool_streams = [tool_parser.stream() for _ in self.choices] if tool_parser else []
+        self._calls_sent = [0 for _ in self.choices]
+
     def _new_logprobs(self) -> list[dict]:
         return []
 
@@ -223,19 +233,54 @@ class ChatBuilder(ResponseBuilder):
             target.append(entry)
 
     def role_chunks(self) -> list[bytes]:
-        """The first chunk of each choice: its role."""
-        return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        """The first chunk of each choice: its role (and no content yet when it may be calls instead)."""
+        content = None if self.tool_parser else ""
+        return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": content},
                                     "logprobs": None, "finish_reason": None}], chunk=True)) for c in self.choices]
 
-    def _chunk_choice(self, index: int, text: str, logprobs: list | None) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text},
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": self.choices[index].finish_reason}
+    def _chunk_choice(self, index: int, text: str, logprobs: list | None) -> dict[str, Any] | None:
+        finish_reason = self.choices[index].finish_reason
+        delta: dict[str, Any] = {"content": text}
+        if self.tool_parser:
+            stream = self._tool_streams[index]
+            piece = stream.feed(text)
+            if finish_reason is not None:
+                piece.extend(stream.finish())
+            delta = self._delta(index, piece)
+            if self._calls_sent[index] and finish_reason is not None:
+                finish_reason = "tool_calls"
+            if not delta and logprobs is None and finish_reason is None:
+                return None
+        return {"index": index, "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish_reason}
+
+    def _delta(self, index: int, piece: ParsedMessage) -> dict[str, Any]:
+        """A piece of a message as OpenAI streams it: its content, and its calls numbered from the choice's first."""
+        delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
+        if piece.calls:
+            first = self._calls_sent[index]
+            delta["tool_calls"] = [{"index": first + k, **call.openai()} for k, call in enumerate(piece.calls)]
+            self._calls_sent[index] += len(piece.calls)
+        return delta
+
+    def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """A choice's whole message and its finish reason."""
+        text = "".join(choice.text)
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}, choice.finish_reason
+        parsed = self.tool_parser.parse(text)
+        message = {"role": "assistant", "content": parsed.content}
+        if not parsed.calls:
+            return message, choice.finish_reason
+        return {**message, "tool_calls": [call.openai() for call in parsed.calls]}, "tool_calls"
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                    "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs else None,
-                    "finish_reason": c.finish_reason} for c in self.choices]
+        choices = []
+        for c in self.choices:
+            message, finish_reason = self._message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs else None,
+                            "finish_reason": finish_reason})
         return self.envelope(choices, chunk=False)
 
 

@@ -2,19 +2,23 @@
 
 Only types live here. Every range (temperature, top_p, n, max_tokens, the stop strings, ...) is the
 engine's and is checked by `service.fronts.validation.accept`, for this front and the gRPC front
-alike. No field is ignored: a field this server does not implement, whoever defines it, is refused
-by name (`extra="forbid"`, and `refuse_unsupported` for values it cannot honour, such as `suffix` or
-a `logit_bias`). The fields OpenAI accepts that change nothing here (`user`, ...) are listed in
-docs/api.md.
+alike; the tools of a chat request are checked here (their names, `tool_choice` against them). No
+field is ignored: a field this server does not implement, whoever defines it, is refused by name
+(`extra="forbid"`, and `refuse_unsupported` for values it cannot honour, such as `suffix` or a
+`logit_bias`). The fields OpenAI accepts that change nothing here (`user`, ...) are listed in
+docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
+from service.fronts.tool_calls import ToolUse
 
 Number = StrictInt | StrictFloat
 
@@ -142,10 +146,55 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as text
+
+
+class MessageToolCall(BaseModel):
+    """A call of an earlier assistant message, as OpenAI returned it."""
+
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # templates may read more (name, tool_call_id, ...)
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept for the template, as the client sent them
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -154,8 +203,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     # OpenAI's, accepted and without effect here (docs/api.md)
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -166,8 +216,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise InvalidRequest("tools", "is not supported by this server")
+        self._check_tools()
         if self.store:
             raise InvalidRequest("store", "this server keeps no completions; leave it false or unset")
         if self.modalities is not None and self.modalities != ["text"]:
@@ -175,12 +224,42 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
 
+    def _check_tools(self) -> None:
+        names: dict[str, int] = {}
+        for i, tool in enumerate(self.tools or []):
+            name = tool.function.name
+            if not TOOL_NAME.fullmatch(name):
+                raise InvalidRequest(f"tools[{i}].function.name", f"{name!r} is not 1 to 64 letters, digits, "
+                                     "underscores or dashes")
+            if name in names:
+                raise InvalidRequest(f"tools[{i}].function.name", f"{name!r} names tools[{names[name]}] too")
+            names[name] = i
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest("tool_choice.function.name", f"{choice.function.name!r} is not among the tools "
+                                 f"({', '.join(names) or 'none given'})")
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice", "'required' needs tools")
+
+    def tool_use(self, template_source: str) -> ToolUse | None:
+        """What the tools ask of this generation; None without tools or with tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        tools = [tool.model_dump(exclude_unset=True) for tool in self.tools]  # as sent, for the template
+        return ToolUse.of(tools, template_source, self.parallel_tool_calls is not False,
+                          self.tool_choice == "required", name)
+
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them: plain dicts, text parts joined, None values dropped
-        (as transformers' apply_chat_template passes them)."""
+        (as transformers' apply_chat_template passes them), the arguments of earlier tool calls as objects
+        (transformers' templates write them with `tojson`; OpenAI sends them as JSON text)."""
         out = []
         for i, m in enumerate(self.messages):
-            message = {k: v for k, v in m.model_dump().items() if v is not None}
+            message = {k: v for k, v in m.model_dump(exclude={"tool_calls"}).items() if v is not None}
+            if m.tool_calls is not None:
+                message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
+                                         for j, call in enumerate(m.tool_calls)]
             if isinstance(m.content, list):
                 parts = []
                 for j, part in enumerate(m.content):
@@ -192,3 +271,15 @@ class ChatCompletionRequest(SamplingFields):
             out.append(message)
         return out
 
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    """An earlier call as templates read it: its arguments a dict rather than JSON text."""
+    dumped = call.model_dump(exclude_unset=True)
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        raise InvalidRequest(f"{where}.function.arguments", "is not JSON text") from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.function.arguments", "is not a JSON object")
+    return {**dumped, "function": {**dumped["function"], "arguments": arguments}}

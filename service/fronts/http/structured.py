@@ -4,6 +4,7 @@
     response_format {"type": "json_schema", "json_schema": {...}}   -> json_schema (its "schema")
     guided_json, guided_regex, guided_choice, guided_grammar       -> vLLM's, the same five kinds
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object"}
+    tool_choice "required" or a named tool (chat)                  -> grammar (service.fronts.tool_calls)
 
 A request takes one constraint at most; the field that set it names the engine's errors about it.
 """
@@ -16,11 +17,14 @@ from typing import Any
 from service.engine.errors import InvalidRequest
 from service.engine.request import Constraint
 from service.fronts.http.openai_schema import SamplingFields
+from service.fronts.tool_calls import ToolUse
 
 
-def constraint_of(body: SamplingFields) -> tuple[Constraint | None, str]:
-    """The body's constraint, and the field that asked for it ("" when there is none)."""
-    asked = [(name, c) for name, c in _asked(body) if c is not None]
+def constraint_of(body: SamplingFields, tools: ToolUse | None = None) -> tuple[Constraint | None, str]:
+    """The body's constraint, and the field that asked for it ("" when there is none); `tools`: a chat's,
+    whose `tool_choice` "required" or named tool is a grammar."""
+    tool_grammar = Constraint("grammar", tools.grammar) if tools is not None and tools.grammar else None
+    asked = [(name, c) for name, c in [*_asked(body), ("tool_choice", tool_grammar)] if c is not None]
     if len(asked) > 1:
         raise InvalidRequest(asked[1][0], f"a request takes one constraint, and {asked[0][0]} sets one already")
     return asked[0][1] if asked else None, asked[0][0] if asked else ""
