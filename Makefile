@@ -11,7 +11,7 @@ PROMPT ?= ROMEO:
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
 	@echo "make generate   sample text from the shipped default model in-process"
-	@echo "make test       run the whole test suite (sets up .venv first), then the serving lane"
+	@echo "make test       run the whole test suite (sets up .venv and .venv-lmeval first), then the serving lane"
 	@echo "make test-serving  the engine, runtime, server and CLI tests in .venv-serving: the serving install"
 	@echo "                only (no torch), as the container has it, on the shipped bundle"
 	@echo "make train      retrain the default model: GPT and Llama-style layouts at two schedules (~90 min on 2 cores)"
@@ -38,7 +38,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 install: $(BIN)/.installed
 
-test: install
+test: install .venv-lmeval/bin/.installed  # lm-evaluation-harness, for tests/fronts/test_lm_eval.py
 	$(BIN)/python -m pytest
 	$(MAKE) --no-print-directory test-serving
 
