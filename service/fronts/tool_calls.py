@@ -213,15 +213,35 @@ class Llama3Stream:
         return calls or None
 
 
+def closed(schema: Any) -> Any:
+    """`schema` with every object that does not say otherwise closed (`additionalProperties: false`): a
+    call's arguments are the parameters its function declares, which is what a client can dispatch."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in SUBSCHEMAS else v for k, v in schema.items()}
+    if "properties" in out:
+        out["properties"] = {name: closed(s) for name, s in out["properties"].items()}
+    if "$defs" in out:
+        out["$defs"] = {name: closed(s) for name, s in out["$defs"].items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
 def call_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, name: str | None = None) -> str:
-    """The Lark grammar (llguidance's dialect) of a message that is only calls in `fmt`: to the tool `name`,
-    or to any of `tools`; one call, or with `parallel` one or more (hermes only: Llama 3 templates take
-    one call per message). Each call's arguments follow its function's `parameters` schema (any object
+    """The Lark grammar (llguidance's dialect) of a message that is only calls in `fmt`: one call to the
+    tool `name`, or calls to any of `tools`: one, or with `parallel` one or more (hermes only: Llama 3
+    templates take one call per message). Each call's arguments follow its function's `parameters` schema (any object
     when it has none), laid out as `json.dumps` writes JSON."""
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     rules = []
     for i, function in enumerate(functions):
-        schema = function.get("parameters") or {"type": "object"}
+        schema = closed(function.get("parameters") or {"type": "object"})
         given = schema.get("x-guidance")
         schema = {**schema, "x-guidance": {**JSON_LAYOUT, **given} if isinstance(given, dict) else JSON_LAYOUT}
         quoted = json.dumps(function["name"])
@@ -232,7 +252,8 @@ def call_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, n
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps(tail)}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-    start = 'start: call ("\\n" call)*' if parallel and fmt == "hermes" else "start: call"
+    several = parallel and fmt == "hermes" and name is None
+    start = 'start: call ("\\n" call)*' if several else "start: call"
     return "\n".join([start, f"call: {calls}", *rules]) + "\n"
 
 
