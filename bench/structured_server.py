@@ -53,7 +53,7 @@ def start_llama(stack: contextlib.ExitStack, hf_dir: Path | None, work: Path, sp
     """llama-server on the shipped model's f32 GGUF, or None and a note saying why not."""
     from bench.peers import llama_cpp
 
-    why = llama_cpp.available() if hf_dir is not None else "no Hugging Face directory of the model was given"
+    why = llama_cpp.available() or (None if hf_dir is not None else "no Hugging Face directory of the model given")
     if why:
         notes.append(f"llama.cpp skipped: {why}")
         log(f"llama.cpp skipped: {why}")
@@ -101,7 +101,7 @@ def http_compile(driver, prompt: list[int], seed: int, k: int) -> dict:
 
 
 def server_part(bundle: Path, hf_dir: Path | None = None, work: Path | None = None, streams: int = 32,
-                singles: int = 3, prompt_tokens: int = 16, budget: int = 240, rounds: int = 5, seed: int = 0,
+                singles: int = 3, prompt_tokens: int = 16, budget: int = 240, rounds: int = 11, seed: int = 0,
                 http: bool = True, llama: bool = True, log=print) -> dict:
     """The `server` entry of the result (see the module docstring)."""
     load = [os.getloadavg()]
@@ -160,6 +160,7 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
     runs = {d.name: {level: {mode: [] for mode in MODES} for level in levels} for d in drivers}
     clocks = {level: MaskClock(engine.grammars) for level in levels}
     compiles: dict[str, list[dict]] = {d.name: [] for d in drivers}
+    load = []  # the load average after each round: a round another process disturbed shows here
     for r in range(rounds):
         for d in rotated(drivers, r):
             inproc = isinstance(d, EngineDriver)
@@ -177,13 +178,14 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
                     runs[d.name][level][mode].append({"tokens": sum(c.tokens for c in done), "seconds": seconds})
             k = r * len(drivers) + drivers.index(d)
             compiles[d.name].append(engine_compile(engine.grammars, k) if inproc else http_compile(d, *probe, k))
+        load.append(os.getloadavg())
         log(f"round {r + 1}/{rounds}: " + "; ".join(
             f"{name} {level}: {_tps(modes['constrained'][-1]):.0f} / {_tps(modes['unconstrained'][-1]):.0f} tok/s"
             for name, by_level in runs.items() for level, modes in by_level.items()))
     return {"rows": _rows(runs, counts), "validity": validity,
             "masks": {str(level): c.summary() for level, c in clocks.items()},
             "compile": {name: {key: statistics.median(c[key] for c in cs) for key in cs[0]} for name, cs in
-                        compiles.items()}, "compile_samples": compiles}
+                        compiles.items()}, "compile_samples": compiles, "load_per_round": load}
 
 
 def _tps(sample: dict) -> float:

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the library timings")
     p.add_argument("--walks", type=int, default=20, help="random walks per constraint and tokenizer")
     p.add_argument("--budget", type=int, default=2000, help="most tokens of a random walk")
-    p.add_argument("--server-rounds", type=int, default=5, help="interleaved rounds of the server part")
+    p.add_argument("--server-rounds", type=int, default=11, help="interleaved rounds of the server part")
     p.add_argument("--streams", type=int, default=32, help="server part: concurrent requests")
     p.add_argument("--singles", type=int, default=3, help="server part: prompts run one after another (batch 1)")
     p.add_argument("--max-tokens", type=int, default=240, help="server part: most tokens of a constrained request")
@@ -285,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = shown(" ".join(["attnserve bench structured", *argv]))
     machine = describe()
-    previous = args.out / "structured.json"
-    result = {**(json.loads(previous.read_text()) if previous.is_file() else {}), "machine": machine}
+    earlier = args.out / "structured.json"
+    previous = json.loads(earlier.read_text()) if earlier.is_file() else {}
+    for part in PARTS:  # a part kept from an earlier run keeps the machine it ran on
+        if part in previous:
+            previous[part].setdefault("machine", previous["machine"])
+    result = {**previous, "machine": machine}
     if "library" in (args.part or PARTS):
         result["library"] = {**library_part(tuple(int(v) for v in args.vocabs.split(",")), args.sp_vocab,
                                             args.rounds, walks=args.walks, budget=args.budget,
