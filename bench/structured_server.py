@@ -175,7 +175,8 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
                         if [c.tokens for c in done] != counts[d.name, level]:
                             notes.append(f"{d.name}: unconstrained requests at {level} streams did not generate "
                                          "exactly the tokens asked for")
-                    runs[d.name][level][mode].append({"tokens": sum(c.tokens for c in done), "seconds": seconds})
+                    runs[d.name][level][mode].append({"tokens": sum(c.tokens for c in done), "requests": len(done),
+                                                      "seconds": seconds})
             k = r * len(drivers) + drivers.index(d)
             compiles[d.name].append(engine_compile(engine.grammars, k) if inproc else http_compile(d, *probe, k))
         load.append(os.getloadavg())
@@ -201,6 +202,8 @@ def _rows(runs: dict, counts: dict) -> list[dict]:
             rows.append({"system": name, "streams": level, "constrained_tokens_per_s": median["constrained"],
                          "unconstrained_tokens_per_s": median["unconstrained"],
                          "ratio": median["constrained"] / median["unconstrained"],
+                         "constrained_completions_per_s": statistics.median(
+                             s["requests"] / s["seconds"] for s in modes["constrained"]),
                          "ratio_per_round": [a / b for a, b in zip(*per_round.values(), strict=True)],
                          "tokens_per_request": statistics.mean(counts[name, level]),
                          "unconstrained_tokens": counts[name, level], "samples": modes})
@@ -224,12 +227,14 @@ def server_markdown(s: dict, command: str, machine: str) -> list[str]:
              f"constrained. tokens/s = generated tokens / wall time, medians over {s['rounds']} interleaved rounds "
              "(systems rotated, modes alternated). Requests are not streamed.", "",
              "| system | streams | constrained tokens/s | unconstrained tokens/s | constrained ÷ unconstrained "
-             "| tokens per completion | valid / constrained completions |", "|---|---|---|---|---|---|---|"]
+             "| tokens per completion | constrained completions/s | valid / constrained completions |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in s["rows"]:
         v = s["validity"][row["system"]]
         lines.append(f"| {row['system']} | {row['streams']} | {row['constrained_tokens_per_s']:.0f} | "
                      f"{row['unconstrained_tokens_per_s']:.0f} | {row['ratio']:.2f}× | "
-                     f"{row['tokens_per_request']:.0f} | {v['valid']}/{v['total']} ({v['total'] - v['finished']} "
+                     f"{row['tokens_per_request']:.0f} | {row['constrained_completions_per_s']:.1f} | "
+                     f"{v['valid']}/{v['total']} ({v['total'] - v['finished']} "
                      "cut by the token limit) |")
     lines += ["", *_target_lines(s), "", *_mask_lines(s), "", *_compile_lines(s)]
     if s["notes"]:
