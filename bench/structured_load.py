@@ -211,3 +211,57 @@ class MaskClock:
                 "overlapped": sum(before) / sum(fills) if fills and sum(fills) else None,
                 "first_masks": len(first), "first_mask_us": us(first),
                 "engine_thread_us_per_token": (sum(waits) + sum(first)) / rows * 1e6 if rows else None}
+
+
+class StepClock:
+    """Where the engine's time goes per generated token, constrained or not, timed in this process without
+    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the masks' hand-over to
+    the worker (`_start_masks`), the masks reaching the sampler (`_allowed`: the wait for the worker and
+    the unpacking of the bits), the sampler (`service.engine.core.sample`) and the output step
+    (`OutputStep.update`, where each matcher consumes its token). Sums over every run inside it; restored
+    on exit."""
+
+    PARTS = ("_run_prefill", "_run_decode", "_start_masks", "_allowed", "sample", "update")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.wall = 0.0  # seconds inside runs timed with `run`
+        self.tokens = 0
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def __enter__(self) -> StepClock:
+        import service.engine.core as core
+
+        for name in self.PARTS[:4]:
+            setattr(self.engine, name, self._timed(name, getattr(self.engine, name)))
+        self.engine.output.update = self._timed("update", self.engine.output.update)
+        self._sample, core.sample = core.sample, self._timed("sample", core.sample)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import service.engine.core as core
+
+        for name in self.PARTS[:4]:
+            delattr(self.engine, name)
+        del self.engine.output.update
+        core.sample = self._sample
+
+    def add(self, done: list[Completion], seconds: float) -> None:
+        self.tokens += sum(c.tokens for c in done)
+        self.wall += seconds
+
+    def summary(self) -> dict:
+        """µs per generated token of each part, and of the rest of the run (the loop, scheduling, events)."""
+        per = {name.strip("_"): s / self.tokens * 1e6 for name, s in self.seconds.items()} if self.tokens else {}
+        wall = self.wall / self.tokens * 1e6 if self.tokens else None
+        return {"tokens": self.tokens, "wall_us_per_token": wall, "us_per_token": per,
+                "rest_us_per_token": wall - sum(per.values()) if self.tokens else None}

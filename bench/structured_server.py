@@ -33,7 +33,7 @@ from bench import workload
 from bench.commands.compare import rotated
 from bench.peers.attnserve_peer import limits, serve_args
 from bench.structured_cases import SERVER_SCHEMA, matches
-from bench.structured_load import AttnserveHttp, EngineDriver, LlamaCppHttp, MaskClock
+from bench.structured_load import AttnserveHttp, EngineDriver, LlamaCppHttp, MaskClock, StepClock
 
 GRAPH = "static"  # fp32, as llama.cpp's f32 GGUF
 PRECISION = "f32"
@@ -159,6 +159,7 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
             d.run(ps, ss, counts[d.name, level], None, together)
     runs = {d.name: {level: {mode: [] for mode in MODES} for level in levels} for d in drivers}
     clocks = {level: MaskClock(engine.grammars) for level in levels}
+    steps = {(level, mode): StepClock(engine) for level in levels for mode in MODES}
     compiles: dict[str, list[dict]] = {d.name: [] for d in drivers}
     load = []  # the load average after each round: a round another process disturbed shows here
     for r in range(rounds):
@@ -166,15 +167,20 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
             inproc = isinstance(d, EngineDriver)
             for level, (ps, ss, together) in levels.items():
                 for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                    if mode == "constrained":
-                        with clocks[level] if inproc else contextlib.nullcontext():
-                            done, seconds = d.run(ps, ss, [budget] * len(ps), SERVER_SCHEMA, together)
+                    limit = [budget] * len(ps) if mode == "constrained" else counts[d.name, level]
+                    schema = SERVER_SCHEMA if mode == "constrained" else None
+                    with contextlib.ExitStack() as timed:
+                        if inproc:  # the clocks time the in-process engine only
+                            timed.enter_context(steps[level, mode])
+                            timed.enter_context(clocks[level] if schema else contextlib.nullcontext())
+                        done, seconds = d.run(ps, ss, limit, schema, together)
+                    if inproc:
+                        steps[level, mode].add(done, seconds)
+                    if schema:
                         check(validity[d.name], done)
-                    else:
-                        done, seconds = d.run(ps, ss, counts[d.name, level], None, together)
-                        if [c.tokens for c in done] != counts[d.name, level]:
-                            notes.append(f"{d.name}: unconstrained requests at {level} streams did not generate "
-                                         "exactly the tokens asked for")
+                    elif [c.tokens for c in done] != limit:
+                        notes.append(f"{d.name}: unconstrained requests at {level} streams did not generate "
+                                     "exactly the tokens asked for")
                     runs[d.name][level][mode].append({"tokens": sum(c.tokens for c in done), "requests": len(done),
                                                       "seconds": seconds})
             k = r * len(drivers) + drivers.index(d)
@@ -185,6 +191,7 @@ def _rounds(drivers, levels: dict, engine, budget: int, rounds: int, probe: tupl
             for name, by_level in runs.items() for level, modes in by_level.items()))
     return {"rows": _rows(runs, counts), "validity": validity,
             "masks": {str(level): c.summary() for level, c in clocks.items()},
+            "steps": {f"{level} {mode}": c.summary() for (level, mode), c in steps.items()},
             "compile": {name: {key: statistics.median(c[key] for c in cs) for key in cs[0]} for name, cs in
                         compiles.items()}, "compile_samples": compiles, "load_per_round": load}
 
@@ -236,7 +243,7 @@ def server_markdown(s: dict, command: str, machine: str) -> list[str]:
                      f"{row['tokens_per_request']:.0f} | {row['constrained_completions_per_s']:.1f} | "
                      f"{v['valid']}/{v['total']} ({v['total'] - v['finished']} "
                      "cut by the token limit) |")
-    lines += ["", *_target_lines(s), "", *_mask_lines(s), "", *_compile_lines(s)]
+    lines += ["", *_target_lines(s), "", *_step_lines(s), "", *_mask_lines(s), "", *_compile_lines(s)]
     if s["notes"]:
         lines += ["", *(f"- {n}" for n in s["notes"])]
     return lines
@@ -255,6 +262,23 @@ def _target_lines(s: dict) -> list[str]:
                        f"{row['system']}: {row['ratio']:.2f}×, **{met}** (per round: "
                        f"{', '.join(f'{r:.2f}' for r in row['ratio_per_round'])}).")
     return out
+
+
+def _step_lines(s: dict) -> list[str]:
+    lines = ["Where a generated token's time goes in the engine (in-process, every round; µs per generated token; "
+             "`bench.structured_load.StepClock` wraps the engine's parts in the benchmark's process, in both modes): "
+             "the model's decode and prefill calls, the masks' hand-over to the worker thread, the masks reaching "
+             "the sampler (the wait for the worker and the unpacking of the bits), the sampler, the output step "
+             "(where each matcher consumes its token), and the rest of the loop.", "",
+             "| streams | mode | all | decode | prefill | mask hand-over | masks to the sampler | sample | output step "
+             "| rest |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, c in s.get("steps", {}).items():
+        level, mode = key.split(" ")
+        u = c["us_per_token"]
+        lines.append(f"| {level} | {mode} | {c['wall_us_per_token']:.0f} | {u['run_decode']:.0f} | "
+                     f"{u['run_prefill']:.0f} | {u['start_masks']:.0f} | {u['allowed']:.0f} | {u['sample']:.0f} | "
+                     f"{u['update']:.0f} | {c['rest_us_per_token']:.0f} |")
+    return lines
 
 
 def _mask_lines(s: dict) -> list[str]:

@@ -124,3 +124,16 @@ def test_the_server_section_says_whether_the_target_was_met(server_result):
     assert "| attnserve in-process | 2 |" in text and "| attnserve in-process | 1 |" in text
     assert ("**met**" in text) != ("**missed**" in text)
     assert "llama.cpp skipped: llama.cpp not built" in text
+    assert "| 2 | constrained |" in text and "| 1 | unconstrained |" in text
+
+
+def test_the_step_clock_times_both_modes_and_only_masks_the_constrained(server_result):
+    steps = server_result["steps"]
+    assert set(steps) == {"1 constrained", "1 unconstrained", "2 constrained", "2 unconstrained"}
+    rows = {row["streams"]: row for row in server_result["rows"]}
+    for key, c in steps.items():
+        level, mode = key.split(" ")
+        assert c["tokens"] == rows[int(level)]["samples"][mode][0]["tokens"]
+        u = c["us_per_token"]
+        assert set(u) == {"run_prefill", "run_decode", "start_masks", "allowed", "sample", "update"}
+        assert c["wall_us_per_token"] >= sum(u.values())  # the parts run one after another inside the runs
