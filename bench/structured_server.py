@@ -264,38 +264,41 @@ def _target_lines(s: dict) -> list[str]:
     return out
 
 
+def _table(intro: str, header: list[str], rows: list[str]) -> list[str]:
+    return [intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]
+
+
 def _step_lines(s: dict) -> list[str]:
-    lines = ["Where a generated token's time goes in the engine (in-process, every round; µs per generated token; "
-             "`bench.structured_load.StepClock` wraps the engine's parts in the benchmark's process, in both modes): "
-             "the model's decode and prefill calls, the masks' hand-over to the worker thread, the masks reaching "
-             "the sampler (the wait for the worker and the unpacking of the bits), the sampler, the output step "
-             "(where each matcher consumes its token), and the rest of the loop.", "",
-             "| streams | mode | all | decode | prefill | mask hand-over | masks to the sampler | sample | output step "
-             "| rest |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for key, c in s.get("steps", {}).items():
-        level, mode = key.split(" ")
         u = c["us_per_token"]
-        lines.append(f"| {level} | {mode} | {c['wall_us_per_token']:.0f} | {u['run_decode']:.0f} | "
-                     f"{u['run_prefill']:.0f} | {u['start_masks']:.0f} | {u['allowed']:.0f} | {u['sample']:.0f} | "
-                     f"{u['update']:.0f} | {c['rest_us_per_token']:.0f} |")
-    return lines
+        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "start_masks", "allowed",
+                                                          "sample", "update")), c["rest_us_per_token"]]
+        rows.append(f"| {' | '.join(key.split(' '))} | " + " | ".join(f"{v:.0f}" for v in cells) + " |")
+    return _table("Where a generated token's time goes in the engine (in-process, every round; µs per generated "
+                  "token; `bench.structured_load.StepClock` wraps the engine's parts in the benchmark's process, in "
+                  "both modes): the model's decode and prefill calls, the masks' hand-over to the worker thread, the "
+                  "masks reaching the sampler (the wait for the worker and the unpacking of the bits), the sampler, "
+                  "the output step (where each matcher consumes its token), and the rest of the loop.",
+                  ["streams", "mode", "all", "decode", "prefill", "mask hand-over", "masks to the sampler", "sample",
+                   "output step", "rest"], rows)
 
 
 def _mask_lines(s: dict) -> list[str]:
-    lines = ["Masks inside the engine, over the in-process constrained runs of every round (`bench.structured_load."
-             "MaskClock` wraps `Grammars.start_masks`, `Grammars._fill` and `MaskJob.wait` in the benchmark's "
-             "process). A decode step hands its rows' masks to the worker thread, runs the model, then waits for "
-             "the worker. Overlapped: the share of the worker's fill time spent before the engine began to wait. "
-             "µs as median (mean).", "",
-             "| streams | mask µs per token | rows per step | worker fill µs per step | hand-over to fill start µs "
-             "| engine waited µs per step | overlapped | first masks µs (count) | engine thread µs per token |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for level, m in s["masks"].items():
-        mm = lambda d: f"{d['median']:.0f} ({d['mean']:.0f})" if d else "—"  # noqa: E731
-        lines.append(f"| {level} | {m['mask_us_per_token']:.0f} | {m['rows_per_job']:.0f} | {mm(m['fill_us'])} | "
-                     f"{mm(m['start_delay_us'])} | {mm(m['wait_us'])} | {m['overlapped']:.0%} | "
-                     f"{mm(m['first_mask_us'])} ({m['first_masks']}) | {m['engine_thread_us_per_token']:.0f} |")
-    return lines
+    def mm(d: dict | None) -> str:
+        return f"{d['median']:.0f} ({d['mean']:.0f})" if d else "—"
+
+    rows = [f"| {level} | {m['mask_us_per_token']:.0f} | {m['rows_per_job']:.0f} | {mm(m['fill_us'])} | "
+            f"{mm(m['start_delay_us'])} | {mm(m['wait_us'])} | {m['overlapped']:.0%} | {mm(m['first_mask_us'])} "
+            f"({m['first_masks']}) | {m['engine_thread_us_per_token']:.0f} |" for level, m in s["masks"].items()]
+    return _table("Masks inside the engine, over the in-process constrained runs of every round (`bench."
+                  "structured_load.MaskClock` wraps `Grammars.start_masks`, `Grammars._fill` and `MaskJob.wait` in "
+                  "the benchmark's process). A decode step hands its rows' masks to the worker thread, runs the "
+                  "model, then waits for the worker. Overlapped: the share of the worker's fill time spent before "
+                  "the engine began to wait. µs as median (mean).",
+                  ["streams", "mask µs per token", "rows per step", "worker fill µs per step",
+                   "hand-over to fill start µs", "engine waited µs per step", "overlapped", "first masks µs (count)",
+                   "engine thread µs per token"], rows)
 
 
 def _compile_lines(s: dict) -> list[str]:
