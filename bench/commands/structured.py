@@ -4,6 +4,7 @@
     attnserve bench structured --part library            # llguidance alone: compile, masks, walks
     attnserve bench structured --part server             # the engine, HTTP and llama.cpp's server, generating
     attnserve bench structured --vocabs 4096 --sp-vocab 2000 --code-chars 0 --rounds 1 --walks 4 --out /tmp/x
+    attnserve bench structured --part server --streams 4 --server-rounds 1 --no-llama-cpp --out /tmp/x   # a minute
 
 The library part measures llguidance, the library the engine constrains its output with, at three
 byte-level vocabularies (the shipped tokenizer's 4096 ids, GPT-2's 50257, Qwen2's 151665; how the larger two
