@@ -42,9 +42,9 @@ MODES = ("constrained", "unconstrained")
 
 
 def variant(k: int) -> dict:
-    """SERVER_SCHEMA with `id` bounded by 9999 + k: a schema no cache has seen, of the same size."""
+    """SERVER_SCHEMA with `id` bounded by its maximum + 1 + k: a schema no cache has seen, of the same size."""
     schema = copy.deepcopy(SERVER_SCHEMA)
-    schema["properties"]["id"]["maximum"] = 9999 + k
+    schema["properties"]["id"]["maximum"] += 1 + k
     return schema
 
 

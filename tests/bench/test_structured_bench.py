@@ -8,7 +8,7 @@ import random
 import pytest
 
 from bench.commands import structured
-from bench.structured_cases import CONSTRAINTS, SCHEMA, documents, is_valid, leaf_fields
+from bench.structured_cases import CONSTRAINTS, SCHEMA, SERVER_SCHEMA, documents, is_valid, leaf_fields, matches
 from bench.vocabularies import byte_level_bpe, sentencepiece_bpe
 from tests.conftest import TINY_TEXTS
 
@@ -137,3 +137,12 @@ def test_the_step_clock_times_both_modes_and_only_masks_the_constrained(server_r
         u = c["us_per_token"]
         assert set(u) == {"run_prefill", "run_decode", "start_masks", "allowed", "sample", "update"}
         assert c["wall_us_per_token"] >= sum(u.values())  # the parts run one after another inside the runs
+
+
+def test_every_compile_probe_schema_is_new():
+    from bench.structured_server import variant
+
+    texts = {json.dumps(SERVER_SCHEMA)} | {json.dumps(variant(k)) for k in range(5)}
+    assert len(texts) == 6  # the engine's cache is keyed by the text: none of them is a hit
+    doc = '{"id":1,"name":"","status":"open","priority":0,"done":true,"tags":[],"owner":{"city":"","country":"DE"}}'
+    assert matches(doc, SERVER_SCHEMA) and matches(doc, variant(3)) and not matches(doc.replace("DE", "XX"), variant(3))
