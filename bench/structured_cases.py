@@ -4,10 +4,18 @@
     CONSTRAINTS["json_schema"]          # (grammar format, grammar text) as llguidance.grammar_from takes them
     documents(32, seed=0)               # 32 compact JSON texts that SCHEMA accepts, no two alike
     is_valid("regex", text)             # does the text satisfy that constraint?
+    matches(text, SERVER_SCHEMA)        # is the text JSON that this schema accepts?
 
 SCHEMA has 20 leaf fields (objects within objects, an array of objects, enums, required and optional fields,
 integers and numbers with bounds, strings with patterns or a maxLength), every object closed
 (`additionalProperties: false`), so that a walk that stops has written a whole document.
+
+SERVER_SCHEMA is what the server part generates with the shipped model, whose context is 256 tokens: 8
+leaf fields, all required, every one bounded (strings with a maxLength, integers with bounds, enums, a
+boolean, an array with maxItems, a nested object), so that a document it accepts, written compactly, is at
+most 125 tokens of the shipped tokenizer when its (at most 38) string characters are plain: 87 for the rest,
+one per character (an escape such as `\\u00e9` takes up to six). No `number`: a JSON number's fraction has
+no bound on its digits.
 """
 
 from __future__ import annotations
@@ -47,6 +55,16 @@ SCHEMA = _closed({
     "totals": TOTALS,
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
 }, ["id", "name", "status", "created", "owner", "items", "totals", "tags"])
+SERVER_SCHEMA = _closed({
+    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+    "name": {"type": "string", "maxLength": 12},
+    "status": {"enum": ["draft", "open", "paid", "void"]},
+    "priority": {"type": "integer", "minimum": 0, "maximum": 5},
+    "done": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    "owner": _closed({"city": {"type": "string", "maxLength": 10}, "country": {"enum": ["DE", "FR", "GB", "US", "JP"]}},
+                     ["city", "country"]),
+}, ["id", "name", "status", "priority", "done", "tags", "owner"])
 REGEX = f"{DATE} [A-Z][a-z]{{1,8}}( [A-Z][a-z]{{1,8}}){{0,2}}"
 CHOICES = ["yes", "no", "maybe", "not applicable", "strongly agree", "strongly disagree"]
 CONSTRAINTS = {  # kind: (llguidance.grammar_from format, text)
@@ -73,10 +91,15 @@ def is_valid(kind: str, text: str) -> bool:
         return re.fullmatch(REGEX, text) is not None
     if kind == "choice":
         return text in CHOICES
+    return matches(text, SCHEMA)
+
+
+def matches(text: str, schema: dict) -> bool:
+    """Is `text` a JSON document that `schema` accepts?"""
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), schema)
     except (ValueError, jsonschema.ValidationError):
         return False
     return True

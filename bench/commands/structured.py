@@ -1,8 +1,10 @@
 """`attnserve bench structured`: structured output (JSON schema, regex, choice) on this CPU.
 
-    attnserve bench structured                           # every part (today: the library part)
+    attnserve bench structured                           # every part
     attnserve bench structured --part library            # llguidance alone: compile, masks, walks
+    attnserve bench structured --part server             # the engine, HTTP and llama.cpp's server, generating
     attnserve bench structured --vocabs 4096 --sp-vocab 2000 --code-chars 0 --rounds 1 --walks 4 --out /tmp/x
+    attnserve bench structured --part server --streams 4 --server-rounds 1 --no-llama-cpp --out /tmp/x   # a minute
 
 The library part measures llguidance, the library the engine constrains its output with, at three
 byte-level vocabularies (the shipped tokenizer's 4096 ids, GPT-2's 50257, Qwen2's 151665; how the larger two
@@ -18,11 +20,17 @@ random walks under each constraint (tokens drawn uniformly among those the mask 
 stops, end of sequence is drawn, or the token budget runs out), decoded with `service.runtime.tokenizer` and
 checked (`jsonschema`, `re.fullmatch`, membership). End of sequence must be allowed only where the
 matcher accepts. Times are medians and p99 over every sample of every round.
+
+The server part (`bench.structured_server`) generates under a JSON schema with the shipped model against
+the same requests unconstrained, in the engine, over `attnserve serve`'s HTTP front and in llama.cpp's
+server on the same weights, and times the engine's masks and compiles. A part that is run replaces its own
+entry of docs/bench/structured.json and keeps the others'.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -32,12 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
+from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.peers.protocol import percentile
 from bench.structured_cases import CONSTRAINTS, JSON_OPTIONS, documents, is_valid, leaf_fields
 from bench.vocabularies import CODE_CHARS, byte_level_bpe, local_texts, sentencepiece_bpe
 
-PARTS = ("library",)
+PARTS = ("library", "server")
 VOCABS = (4096, 50257, 151665)  # the shipped tokenizer's, GPT-2's, Qwen2's (151643 + 22 special tokens)
 SP_VOCAB = 32000  # Llama-2's
 
@@ -204,9 +212,23 @@ def library_part(vocabs=VOCABS, sp_vocab: int = SP_VOCAB, rounds: int = 3, compi
 
 
 def markdown(result: dict, command: str) -> str:
-    lib = result["library"]
-    lines = ["## Structured output", "", f"`{command}` on {machine_line(result['machine'])}.", "",
-             f"llguidance {lib['llguidance']} alone (`bench/commands/structured.py`), the {lib['schema_fields']}-field "
+    """The structured section of BENCHMARKS.md: each part in the result, with the command that ran it."""
+    lines = ["## Structured output", ""]
+    if "library" in result:
+        lib = result["library"]
+        lines += [f"`{lib.get('command', command)}` on {machine_line(lib.get('machine', result['machine']))}.", "",
+                  *library_lines(lib)]
+    if "server" in result:
+        from bench.structured_server import server_markdown
+
+        srv = result["server"]
+        lines += ["", *server_markdown(srv, srv.get("command", command),
+                                       machine_line(srv.get("machine", result["machine"])))]
+    return "\n".join(lines)
+
+
+def library_lines(lib: dict) -> list[str]:
+    lines = [f"llguidance {lib['llguidance']} alone (`bench/commands/structured.py`), the {lib['schema_fields']}-field "
              f"JSON schema of `bench/structured_cases.py` compiled without free whitespace; median and p99 over "
              f"{lib['rounds']} interleaved rounds. Vocabularies: the shipped tokenizer, and byte-level BPEs of "
              "GPT-2's and Qwen2's sizes trained on local text and extended by synthetic merges "
@@ -231,7 +253,7 @@ def markdown(result: dict, command: str) -> str:
         cells = [f"{c['valid']}/{c['finished']}" + (f" ({c['budget']} budget)" if c["budget"] else "")
                  + (f" ({c['errors']} errors)" if c["errors"] else "") for c in kinds.values()]
         lines.append(f"| {name} | {' | '.join(cells)} | {sum(c['early_eos'] for c in kinds.values())} |")
-    return "\n".join(lines)
+    return lines
 
 
 def _trained(lib: dict) -> str:
@@ -249,18 +271,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sp-vocab", type=int, default=SP_VOCAB, help="size of the SentencePiece-style vocabulary")
     p.add_argument("--code-chars", type=int, default=CODE_CHARS, help="characters of Python standard-library "
                    "sources the tokenizers are trained on beside the plays")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the timings")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the library timings")
     p.add_argument("--walks", type=int, default=20, help="random walks per constraint and tokenizer")
     p.add_argument("--budget", type=int, default=2000, help="most tokens of a random walk")
+    p.add_argument("--server-rounds", type=int, default=11, help="interleaved rounds of the server part")
+    p.add_argument("--streams", type=int, default=32, help="server part: concurrent requests")
+    p.add_argument("--singles", type=int, default=3, help="server part: prompts run one after another (batch 1)")
+    p.add_argument("--max-tokens", type=int, default=240, help="server part: most tokens of a constrained request")
+    p.add_argument("--no-llama-cpp", action="store_true", help="server part: leave llama.cpp's server out")
+    p.add_argument("--work", type=Path, default=ROOT / "runs" / "structured", help="the prepared model and GGUF")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where structured.json goes (docs/bench: and its "
                                                                   "section of BENCHMARKS.md)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    result = {"machine": describe()}
-    if "library" in (args.part or PARTS):
-        result["library"] = library_part(tuple(int(v) for v in args.vocabs.split(",")), args.sp_vocab, args.rounds,
-                                         walks=args.walks, budget=args.budget, code_chars=args.code_chars)
     command = shown(" ".join(["attnserve bench structured", *argv]))
+    machine = describe()
+    earlier = args.out / "structured.json"
+    previous = json.loads(earlier.read_text()) if earlier.is_file() else {}
+    for part in PARTS:  # a part kept from an earlier run keeps the machine it ran on
+        if part in previous:
+            previous[part].setdefault("machine", previous["machine"])
+    result = {**previous, "machine": machine}
+    if "library" in (args.part or PARTS):
+        result["library"] = {**library_part(tuple(int(v) for v in args.vocabs.split(",")), args.sp_vocab,
+                                            args.rounds, walks=args.walks, budget=args.budget,
+                                            code_chars=args.code_chars), "command": command, "machine": machine}
+    if "server" in (args.part or PARTS):
+        from bench.sizes import prepare
+        from bench.structured_server import server_part
+
+        prepared = prepare("shipped", args.work, int4=False)
+        result["server"] = {**server_part(prepared.bundle, prepared.hf_dir, args.work / "shipped" / "peers",
+                                          streams=args.streams, singles=args.singles, budget=args.max_tokens,
+                                          rounds=args.server_rounds, llama=not args.no_llama_cpp),
+                            "command": command, "machine": machine}
     text = markdown(result, command)
     print(text)
     publish("structured", result, text, out=args.out)

@@ -47,6 +47,13 @@ def limits(spec: dict) -> dict:
             "max_context": prompt + spec["new_tokens"]}
 
 
+def serve_args(bundle: Path, graph: str, lim: dict) -> list[str]:
+    """`attnserve serve` with the graph pinned, prefix caching off and the `limits`."""
+    return ["serve", "--bundle", str(bundle), "--graph", graph, "--no-prefix-caching", "--allow-low-agreement",
+            "--max-running", str(lim["max_running"]), "--max-batch-tokens", str(lim["max_batch_tokens"]),
+            "--max-context", str(lim["max_context"])]
+
+
 # ---- in-process -----------------------------------------------------------------------------------
 
 
@@ -153,9 +160,7 @@ def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[list
     from bench.server_process import ServerProcess
 
     lim = limits(spec)
-    args = ["serve", "--bundle", str(bundle), "--graph", graph, "--no-prefix-caching", "--allow-low-agreement",
-            "--max-running", str(lim["max_running"]), "--max-batch-tokens", str(lim["max_batch_tokens"]),
-            "--max-context", str(lim["max_context"])]
+    args = serve_args(bundle, graph, lim)
     with ServerProcess(args) as srv:
         rec, tokens = asyncio.run(grpc_rounds(srv.address, spec))
         rss = peak_rss_bytes(srv.pid)

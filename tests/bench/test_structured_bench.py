@@ -8,7 +8,7 @@ import random
 import pytest
 
 from bench.commands import structured
-from bench.structured_cases import CONSTRAINTS, SCHEMA, documents, is_valid, leaf_fields
+from bench.structured_cases import CONSTRAINTS, SCHEMA, SERVER_SCHEMA, documents, is_valid, leaf_fields, matches
 from bench.vocabularies import byte_level_bpe, sentencepiece_bpe
 from tests.conftest import TINY_TEXTS
 
@@ -67,3 +67,82 @@ def test_the_sentencepiece_tokenizer_falls_back_to_bytes():
     ids = tokenizer.encode("中", add_special_tokens=False)
     assert [tokenizer.hf.id_to_token(i) for i in ids][-3:] == ["<0xE4>", "<0xB8>", "<0xAD>"]
     assert tokenizer.decode(ids) == "中" and tokenizer.eos_id == 2
+
+
+# ---- --part server, at a tiny size: the engine in-process, 2 streams, one round, llama.cpp absent ----------
+
+
+@pytest.fixture(scope="module")
+def server_result():
+    from bench.peers import llama_cpp
+    from bench.structured_server import server_part
+    from tests.conftest import SHIPPED_BUNDLE
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp, "available", lambda: "llama.cpp not built (missing here on purpose)")
+        return server_part(SHIPPED_BUNDLE, streams=2, singles=1, rounds=1, http=False, llama=True,
+                           log=lambda line: None)
+
+
+def test_the_server_part_constrains_every_completion_to_valid_json(server_result):
+    counts = server_result["validity"]["attnserve in-process"]
+    assert counts["total"] == 6  # warm-up and round: 1 alone + 2 together, twice
+    assert counts["valid"] == counts["finished"] == counts["total"]
+    assert set(server_result["validity"]) == {"attnserve in-process"}
+    assert server_result["notes"] == ["llama.cpp skipped: llama.cpp not built (missing here on purpose)"]
+
+
+def test_unconstrained_requests_generate_the_constrained_token_counts(server_result):
+    rows = {row["streams"]: row for row in server_result["rows"]}
+    assert set(rows) == {1, 2}
+    for row in rows.values():
+        samples = row["samples"]
+        assert samples["constrained"][0]["tokens"] == samples["unconstrained"][0]["tokens"] \
+            == sum(row["unconstrained_tokens"])
+        assert row["constrained_tokens_per_s"] > 0 and row["unconstrained_tokens_per_s"] > 0
+        assert row["ratio"] == pytest.approx(row["constrained_tokens_per_s"] / row["unconstrained_tokens_per_s"])
+
+
+def test_the_mask_clock_saw_every_constrained_token_and_left_the_engine_as_it_was(server_result):
+    from service.engine.grammar import Grammars, MaskJob
+
+    rows = {row["streams"]: row for row in server_result["rows"]}
+    for level, masks in server_result["masks"].items():
+        tokens = rows[int(level)]["samples"]["constrained"][0]["tokens"]
+        assert masks["tokens"] == tokens  # one mask row per sampled token
+        assert 1 <= masks["first_masks"] <= int(level) and masks["worker_jobs"] > 0  # prefilled together: one fill
+        assert 0.0 <= masks["overlapped"] <= 1.0
+    assert MaskJob.wait.__qualname__ == "MaskJob.wait" and Grammars._fill.__qualname__ == "Grammars._fill"
+    assert set(server_result["compile"]["attnserve in-process"]) == {"cold", "cold_first_mask", "cached",
+                                                                    "cached_first_mask"}
+
+
+def test_the_server_section_says_whether_the_target_was_met(server_result):
+    from bench.structured_server import server_markdown
+
+    text = "\n".join(server_markdown(server_result, "cmd", "test machine"))
+    assert "| attnserve in-process | 2 |" in text and "| attnserve in-process | 1 |" in text
+    assert ("**met**" in text) != ("**missed**" in text)
+    assert "llama.cpp skipped: llama.cpp not built" in text
+    assert "| 2 | constrained |" in text and "| 1 | unconstrained |" in text
+
+
+def test_the_step_clock_times_both_modes_and_only_masks_the_constrained(server_result):
+    steps = server_result["steps"]
+    assert set(steps) == {"1 constrained", "1 unconstrained", "2 constrained", "2 unconstrained"}
+    rows = {row["streams"]: row for row in server_result["rows"]}
+    for key, c in steps.items():
+        level, mode = key.split(" ")
+        assert c["tokens"] == rows[int(level)]["samples"][mode][0]["tokens"]
+        u = c["us_per_token"]
+        assert set(u) == {"run_prefill", "run_decode", "start_masks", "allowed", "sample", "update"}
+        assert c["wall_us_per_token"] >= sum(u.values())  # the parts run one after another inside the runs
+
+
+def test_every_compile_probe_schema_is_new():
+    from bench.structured_server import variant
+
+    texts = {json.dumps(SERVER_SCHEMA)} | {json.dumps(variant(k)) for k in range(5)}
+    assert len(texts) == 6  # the engine's cache is keyed by the text: none of them is a hit
+    doc = '{"id":1,"name":"","status":"open","priority":0,"done":true,"tags":[],"owner":{"city":"","country":"DE"}}'
+    assert matches(doc, SERVER_SCHEMA) and matches(doc, variant(3)) and not matches(doc.replace("DE", "XX"), variant(3))
