@@ -112,6 +112,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._running_requests = 0
         self._sampling: tuple[tuple[int, ...], SamplingBatch] | None = None  # the decode rows' batch, reused
+        self._next_masks: MaskJob | None = None  # the decode rows' grammar masks for the next step, started early
         self._rate: deque[tuple[float, int]] = deque()  # (time, tokens) of the steps in the rate window
         self._rate_tokens = 0  # their sum
         self.generated_tokens = 0
@@ -251,6 +252,7 @@ class Engine:
         if batch.decode:
             masks = self._start_masks(batch.decode)  # computed while the model runs
             out += self._sample_and_update(self._run_decode(batch.decode), masks)
+            self._next_masks = self._start_masks(batch.decode)  # ... and the next step's, from now on
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
@@ -337,9 +339,17 @@ class Engine:
         return out
 
     def _start_masks(self, seqs: list[Sequence]) -> MaskJob | None:
-        """The grammar masks of the constrained rows that will be sampled, started in a worker thread."""
-        constrained = [(s, s.matcher) for s in seqs if s.matcher is not None and s.status is Status.DECODING]
-        return self.grammars.start_masks(constrained) if constrained else None
+        """The grammar masks of the constrained decoding rows among `seqs`, started in a worker thread: the
+        ones started at the end of the last step when they cover these rows (computed while this step's
+        scheduling and Python ran on the other core), else new ones (computed while the model runs)."""
+        constrained = [s for s in seqs if s.matcher is not None and s.status is Status.DECODING]
+        early, self._next_masks = self._next_masks, None
+        if not constrained:
+            return None
+        job = early if early is not None and early.covers(constrained) else \
+            self.grammars.start_masks([(s, s.matcher) for s in constrained])
+        job.wait()
+        return job
 
     def _allowed(self, seqs: list[Sequence], job: MaskJob | None) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, allowed tokens) of the constrained rows among `seqs`, from `job` where it has them."""

@@ -133,8 +133,9 @@ class Grammars:
         return job
 
     def masks_now(self, matchers: list[tuple[Hashable, llguidance.LLMatcher]]) -> MaskJob:
-        job = MaskJob(self, matchers)
-        self._fill(job)
+        """The masks computed at once, by the same worker (after any job it runs: one thread uses the executor)."""
+        job = self.start_masks(matchers)
+        job.wait()
         return job
 
     def _fill(self, job: MaskJob) -> None:
@@ -171,9 +172,8 @@ class MaskJob:
 
 
 def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """[R, words] int32 bit masks -> [R, vocab] bool (bit t of word t // 32 is token t)."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :vocab].astype(bool)
+    """[R, words] int32 bit masks -> [R, vocab] of 0 and 1 (bit t of word t // 32 is token t)."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little").view(bool)
 
 
 def _short(error: object) -> str:

@@ -241,11 +241,15 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n
     states = batch.states
     adjust = batch.penalised + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.penalised]
     adjusted = logits
-    if adjust or masks is not None:
-        adjusted = np.array(logits, dtype=np.float32)  # own copy: masks and penalties write into it
     if masks is not None:
-        rows, allowed = masks
-        adjusted[rows] = np.where(allowed, adjusted[rows], -np.inf)
+        rows, allowed = masks  # own copy: penalties may write into it
+        if len(rows) == len(logits):
+            adjusted = np.where(allowed, logits, np.float32(-np.inf))
+        else:
+            adjusted = np.array(logits, dtype=np.float32)
+            adjusted[rows] = np.where(allowed, adjusted[rows], np.float32(-np.inf))
+    elif adjust:
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
     if adjust:
         apply_penalties(adjusted, states, adjust)
     if batch.all_greedy:
