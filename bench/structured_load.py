@@ -141,9 +141,9 @@ class LlamaCppHttp(HttpDriver):
 
 class MaskClock:
     """Times the engine's mask work in this process without changing what it does. Wrapped: `Grammars.start_masks`
-    (when the engine hands a step's masks to the worker, just before the model call), `Grammars._fill` (on
-    the worker, or on the engine thread for a sequence's first mask, which follows its prefill) and
-    `MaskJob.wait` (the engine thread, after the model call, until the worker is done). Restored on exit."""
+    (when the engine hands masks to the worker), `Grammars._fill` (on the worker thread, which fills every
+    mask; a fill on the engine thread would be counted as a first mask) and `MaskJob.wait` (the engine
+    thread, until the worker is done). Restored on exit."""
 
     def __init__(self, grammars):
         self.grammars = grammars
