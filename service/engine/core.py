@@ -250,9 +250,9 @@ class Engine:
                 emit(out)
                 out = []
         if batch.decode:
-            masks = self._start_masks(batch.decode)  # computed while the model runs
+            masks = self._ready_masks(batch.decode)
             out += self._sample_and_update(self._run_decode(batch.decode), masks)
-            self._next_masks = self._start_masks(batch.decode)  # ... and the next step's, from now on
+            self._next_masks = self._start_masks(batch.decode)  # filled while the engine thread goes on
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
@@ -283,15 +283,17 @@ class Engine:
         first = work.seqs[0].slot
         states = [seq.request_state for seq in work.seqs]
         scoring = any(state.prompt_logprobs is not None for state in states)
-        if work.start > 0:
-            last = every = self.runner.prefill(first, work.chunks[0], work.start)[None]  # [1, chunk, vocab]
-        elif scoring:
-            last = every = self.runner.prefill_batch(first, work.chunks, every_position=True)
-        else:
-            last = every = self.runner.prefill_batch(first, work.chunks)
-        if every.ndim == 3:  # every position's logits: the prompts' (or the chunk's) last ones are sampled
-            record_prompt_logprobs(states, every, work.start, self.sampleable)
-            last = every[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
+        if work.start > 0:  # a chunk: every position's logits, [1, chunk, vocab]
+            logits = self.runner.prefill(first, work.chunks[0], work.start)[None]
+        elif scoring:  # prompts, one scored: every position's, [k, longest, vocab]
+            logits = self.runner.prefill_batch(first, work.chunks, every_position=True)
+        else:  # prompts: the last positions', [k, vocab]
+            logits = self.runner.prefill_batch(first, work.chunks)
+        last = logits
+        if logits.ndim == 3:
+            if scoring:
+                record_prompt_logprobs(states, logits, work.start, self.sampleable)
+            last = logits[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
         complete = self.scheduler.prefilled(work)
         return RunnerOutput([seq for _, seq in complete], last[[row for row, _ in complete]])
 
@@ -339,16 +341,19 @@ class Engine:
         return out
 
     def _start_masks(self, seqs: list[Sequence]) -> MaskJob | None:
-        """The grammar masks of the constrained decoding rows among `seqs`, started in a worker thread: the
-        ones started at the end of the last step when they cover these rows (computed while this step's
-        scheduling and Python ran on the other core), else new ones (computed while the model runs)."""
-        constrained = [s for s in seqs if s.matcher is not None and s.status is Status.DECODING]
+        """The next-token masks of the constrained decoding rows among `seqs`, started in the worker thread."""
+        rows = [(s, s.matcher) for s in seqs if s.matcher is not None and s.status is Status.DECODING]
+        return self.grammars.start_masks(rows) if rows else None
+
+    def _ready_masks(self, seqs: list[Sequence]) -> MaskJob | None:
+        """The decoding rows' masks, finished before the model runs: those started at the end of the last
+        step if they cover these rows, else new ones. On 2 cores a fill beside onnxruntime's threads slows
+        the model call more than it saves, so the engine waits here."""
         early, self._next_masks = self._next_masks, None
-        if not constrained:
-            return None
-        job = early if early is not None and early.covers(constrained) else \
-            self.grammars.start_masks([(s, s.matcher) for s in constrained])
-        job.wait()
+        rows = [s for s in seqs if s.matcher is not None and s.status is Status.DECODING]
+        job = early if early is not None and early.covers(rows) else self._start_masks(seqs)
+        if job is not None:
+            job.wait()
         return job
 
     def _allowed(self, seqs: list[Sequence], job: MaskJob | None) -> tuple[np.ndarray, np.ndarray] | None:
