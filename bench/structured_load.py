@@ -215,13 +215,13 @@ class MaskClock:
 
 class StepClock:
     """Where the engine's time goes per generated token, constrained or not, timed in this process without
-    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the masks' hand-over to
-    the worker (`_start_masks`), the masks reaching the sampler (`_allowed`: the wait for the worker and
-    the unpacking of the bits), the sampler (`service.engine.core.sample`) and the output step
-    (`OutputStep.update`, where each matcher consumes its token). Sums over every run inside it; restored
-    on exit."""
+    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the decoding rows'
+    masks, filled before the model call (`_masks`), the masks reaching the sampler (`_allowed`: the
+    unpacking of the bits, and a new prompt's first masks), the sampler (`service.engine.core.sample`) and
+    the output step (`OutputStep.update`, where each matcher consumes its token). Sums over every run
+    inside it; restored on exit."""
 
-    PARTS = ("_run_prefill", "_run_decode", "_start_masks", "_allowed", "sample", "update")
+    PARTS = ("_run_prefill", "_run_decode", "_masks", "_allowed", "sample", "update")
 
     def __init__(self, engine):
         self.engine = engine

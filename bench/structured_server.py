@@ -272,15 +272,16 @@ def _step_lines(s: dict) -> list[str]:
     rows = []
     for key, c in s.get("steps", {}).items():
         u = c["us_per_token"]
-        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "start_masks", "allowed",
+        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "masks", "allowed",
                                                           "sample", "update")), c["rest_us_per_token"]]
         rows.append(f"| {' | '.join(key.split(' '))} | " + " | ".join(f"{v:.0f}" for v in cells) + " |")
     return _table("Where a generated token's time goes in the engine (in-process, every round; µs per generated "
                   "token; `bench.structured_load.StepClock` wraps the engine's parts in the benchmark's process, in "
-                  "both modes): the model's decode and prefill calls, the masks' hand-over to the worker thread, the "
-                  "masks reaching the sampler (the wait for the worker and the unpacking of the bits), the sampler, "
-                  "the output step (where each matcher consumes its token), and the rest of the loop.",
-                  ["streams", "mode", "all", "decode", "prefill", "mask hand-over", "masks to the sampler", "sample",
+                  "both modes): the model's decode and prefill calls, the decoding rows' masks (filled before "
+                  "the model call), the masks reaching the sampler (the unpacking of the bits; a new prompt's first "
+                  "masks), the sampler, the output step (where each matcher consumes its token), and the rest of "
+                  "the loop.",
+                  ["streams", "mode", "all", "decode", "prefill", "masks", "masks to the sampler", "sample",
                    "output step", "rest"], rows)
 
 
@@ -293,9 +294,9 @@ def _mask_lines(s: dict) -> list[str]:
             f"({m['first_masks']}) | {m['engine_thread_us_per_token']:.0f} |" for level, m in s["masks"].items()]
     return _table("Masks inside the engine, over the in-process constrained runs of every round (`bench."
                   "structured_load.MaskClock` wraps `Grammars.start_masks`, `Grammars._fill` and `MaskJob.wait` in "
-                  "the benchmark's process). A decode step hands its rows' masks to the worker thread, runs the "
-                  "model, then waits for the worker. Overlapped: the share of the worker's fill time spent before "
-                  "the engine began to wait. µs as median (mean).",
+                  "the benchmark's process). A decode step has the worker thread fill its rows' masks and waits for "
+                  "them before the model runs. Overlapped: the share of the worker's fill time spent before the "
+                  "engine began to wait. µs as median (mean).",
                   ["streams", "mask µs per token", "rows per step", "worker fill µs per step",
                    "hand-over to fill start µs", "engine waited µs per step", "overlapped", "first masks µs (count)",
                    "engine thread µs per token"], rows)

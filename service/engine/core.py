@@ -112,7 +112,6 @@ class Engine:
         self._arrivals = itertools.count()
         self._running_requests = 0
         self._sampling: tuple[tuple[int, ...], SamplingBatch] | None = None  # the decode rows' batch, reused
-        self._next_masks: MaskJob | None = None  # the decode rows' grammar masks for the next step, started early
         self._rate: deque[tuple[float, int]] = deque()  # (time, tokens) of the steps in the rate window
         self._rate_tokens = 0  # their sum
         self.generated_tokens = 0
@@ -250,9 +249,8 @@ class Engine:
                 emit(out)
                 out = []
         if batch.decode:
-            masks = self._ready_masks(batch.decode)
+            masks = self._masks(batch.decode)
             out += self._sample_and_update(self._run_decode(batch.decode), masks)
-            self._next_masks = self._start_masks(batch.decode)  # filled while the engine thread goes on
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
@@ -325,8 +323,6 @@ class Engine:
         out = ran.failed
         seqs = ran.seqs
         if not seqs:
-            if masks is not None:
-                masks.wait()  # its matchers advance next step: not while the worker reads them
             return out
         logits = ran.logits
         if self.sampleable < logits.shape[1]:
@@ -340,21 +336,12 @@ class Engine:
         self._count(len(seqs))
         return out
 
-    def _start_masks(self, seqs: list[Sequence]) -> MaskJob | None:
-        """The next-token masks of the constrained decoding rows among `seqs`, started in the worker thread."""
+    def _masks(self, seqs: list[Sequence]) -> MaskJob | None:
+        """The next-token masks of the constrained decoding rows among `seqs`, finished before the model
+        runs: on 2 cores a fill beside onnxruntime's threads slows the model call more than it saves
+        (docs/structured-output.md)."""
         rows = [(s, s.matcher) for s in seqs if s.matcher is not None and s.status is Status.DECODING]
-        return self.grammars.start_masks(rows) if rows else None
-
-    def _ready_masks(self, seqs: list[Sequence]) -> MaskJob | None:
-        """The decoding rows' masks, finished before the model runs: those started at the end of the last
-        step if they cover these rows, else new ones. On 2 cores a fill beside onnxruntime's threads slows
-        the model call more than it saves, so the engine waits here."""
-        early, self._next_masks = self._next_masks, None
-        rows = [s for s in seqs if s.matcher is not None and s.status is Status.DECODING]
-        job = early if early is not None and early.covers(rows) else self._start_masks(seqs)
-        if job is not None:
-            job.wait()
-        return job
+        return self.grammars.masks_now(rows) if rows else None
 
     def _allowed(self, seqs: list[Sequence], job: MaskJob | None) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, allowed tokens) of the constrained rows among `seqs`, from `job` where it has them."""

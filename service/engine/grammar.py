@@ -4,11 +4,13 @@ sequence that follows its tokens, and the allowed-token masks of a batch.
     grammars = Grammars(tokenizer, vocab_size, eos_ids)
     grammar = grammars.compile(constraint)       # blocking, cached by content; InvalidRequest if it cannot compile
     matcher = grammar.matcher()                   # one per sequence (llguidance's LLMatcher)
-    job = grammars.start_masks([(key, matcher), ...])   # in a worker thread, while the model runs
-    rows, bitmask = job.masks(keys)               # [R, ceil(vocab / 32)] int32, one bit per token
+    job = grammars.masks_now([(key, matcher), ...])     # filled by the one mask worker thread
+    bitmask = job.masks(keys)                     # [R, ceil(vocab / 32)] int32, one bit per token
 
 llguidance compiles with bounded work (its parser limits) and releases the GIL while it compiles
-and while it computes masks, so both run beside the engine's model call. EOS is in a mask only
+and while it computes masks, so compiles run beside the engine. The engine has a step's masks filled
+before its model call: on 2 cores a fill beside onnxruntime's threads slows the model call more than
+it saves (docs/structured-output.md). EOS is in a mask only
 where the grammar may end. JSON has no free whitespace between tokens unless the schema asks for
 it (`x-guidance`), so a weak model cannot spend its tokens on blanks.
 """
