@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import json
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 
@@ -140,88 +139,47 @@ class LlamaCppHttp(HttpDriver):
 
 
 class MaskClock:
-    """Times the engine's mask work in this process without changing what it does. Wrapped: `Grammars.start_masks`
-    (when the engine hands masks to the worker), `Grammars._fill` (on the worker thread, which fills every
-    mask; a fill on the engine thread would be counted as a first mask) and `MaskJob.wait` (the engine
-    thread, until the worker is done). Restored on exit."""
+    """Times the engine's masks in this process without changing what it does: `Grammars.masks` (a step's
+    constrained rows at once, on the engine thread) is wrapped, and restored on exit."""
 
     def __init__(self, grammars):
         self.grammars = grammars
-        self.fills: list[tuple[float, int, bool]] = []  # (seconds, rows, on the worker)
-        # per worker job: (fill seconds, of them before the engine began to wait, seconds waited, submit to start)
-        self.jobs: list[tuple[float, float, float, float]] = []
-        self._wait = None
+        self.calls: list[tuple[float, int]] = []  # (seconds, rows)
 
     def __enter__(self) -> MaskClock:
-        from service.engine.grammar import MaskJob
+        masks = self.grammars.masks
 
-        start_masks, fill, wait = self.grammars.start_masks, self.grammars._fill, MaskJob.wait
-        engine_thread = threading.get_ident()
-        self._wait = wait
-
-        def timed_start(matchers):
-            submitted = time.perf_counter()
-            job = start_masks(matchers)
-            job.bench_submitted = submitted
-            return job
-
-        def timed_fill(job) -> None:
+        def timed(matchers):
             start = time.perf_counter()
-            fill(job)
-            end = time.perf_counter()
-            job.bench_fill = (start, end)
-            self.fills.append((end - start, len(job.matchers), threading.get_ident() != engine_thread))
+            try:
+                return masks(matchers)
+            finally:
+                self.calls.append((time.perf_counter() - start, len(matchers)))
 
-        def timed_wait(job) -> None:
-            start = time.perf_counter()
-            wait(job)
-            if job.future is not None and hasattr(job, "bench_fill"):
-                begun, ended = job.bench_fill
-                self.jobs.append((ended - begun, max(0.0, min(ended, start) - begun), time.perf_counter() - start,
-                                  begun - job.bench_submitted))
-
-        self.grammars.start_masks, self.grammars._fill = timed_start, timed_fill
-        MaskJob.wait = timed_wait
+        self.grammars.masks = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        from service.engine.grammar import MaskJob
-
-        del self.grammars.start_masks, self.grammars._fill
-        MaskJob.wait = self._wait
+        del self.grammars.masks
 
     def summary(self) -> dict:
-        """Mask µs per constrained token (every fill over every row); per worker job (one a decode step) its
-        fill, how long after the hand-over the worker began it, the engine thread's wait, and `overlapped`:
-        the share of the worker's fill time that ran before the engine began to wait (during the model
-        call); the first masks, on the engine thread."""
-        first = [s for s, _, on_worker in self.fills if not on_worker]
-        rows = sum(r for _, r, _ in self.fills)
-        fills, before, waits, delays = zip(*self.jobs, strict=True) if self.jobs else ((), (), (), ())
-        worker_rows = [r for _, r, on_worker in self.fills if on_worker]
-
-        def us(values) -> dict | None:
-            if not values:
-                return None
-            return {"median": statistics.median(values) * 1e6, "mean": statistics.mean(values) * 1e6}
-
-        return {"tokens": rows, "mask_us_per_token": sum(s for s, _, _ in self.fills) / rows * 1e6 if rows else None,
-                "worker_jobs": len(self.jobs), "rows_per_job": statistics.median(worker_rows) if worker_rows else None,
-                "fill_us": us(fills), "start_delay_us": us(delays), "wait_us": us(waits),
-                "overlapped": sum(before) / sum(fills) if fills and sum(fills) else None,
-                "first_masks": len(first), "first_mask_us": us(first),
-                "engine_thread_us_per_token": (sum(waits) + sum(first)) / rows * 1e6 if rows else None}
+        """Mask µs per constrained token (every call over every row), and per call (one a step)."""
+        rows = sum(r for _, r in self.calls)
+        seconds = [s for s, _ in self.calls]
+        return {"tokens": rows, "mask_us_per_token": sum(seconds) / rows * 1e6 if rows else None,
+                "calls": len(self.calls), "rows_per_call": statistics.median(r for _, r in self.calls) if rows else None,
+                "call_us": {"median": statistics.median(seconds) * 1e6, "mean": statistics.mean(seconds) * 1e6}
+                if seconds else None}
 
 
 class StepClock:
     """Where the engine's time goes per generated token, constrained or not, timed in this process without
-    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the decoding rows'
-    masks, filled before the model call (`_masks`), the masks reaching the sampler (`_allowed`: the
-    unpacking of the bits, and a new prompt's first masks), the sampler (`service.engine.core.sample`) and
-    the output step (`OutputStep.update`, where each matcher consumes its token). Sums over every run
+    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the constrained rows'
+    masks (`_allowed`: computed, and unpacked for the sampler), the sampler (`service.engine.core.sample`)
+    and the output step (`OutputStep.update`, where each matcher consumes its token). Sums over every run
     inside it; restored on exit."""
 
-    PARTS = ("_run_prefill", "_run_decode", "_masks", "_allowed", "sample", "update")
+    PARTS = ("_run_prefill", "_run_decode", "_allowed", "sample", "update")
 
     def __init__(self, engine):
         self.engine = engine
@@ -241,7 +199,7 @@ class StepClock:
     def __enter__(self) -> StepClock:
         import service.engine.core as core
 
-        for name in self.PARTS[:4]:
+        for name in self.PARTS[:3]:
             setattr(self.engine, name, self._timed(name, getattr(self.engine, name)))
         self.engine.output.update = self._timed("update", self.engine.output.update)
         self._sample, core.sample = core.sample, self._timed("sample", core.sample)
@@ -250,7 +208,7 @@ class StepClock:
     def __exit__(self, *exc) -> None:
         import service.engine.core as core
 
-        for name in self.PARTS[:4]:
+        for name in self.PARTS[:3]:
             delattr(self.engine, name)
         del self.engine.output.update
         core.sample = self._sample

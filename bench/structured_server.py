@@ -89,7 +89,7 @@ def engine_compile(grammars, k: int) -> dict:
         grammar = grammars.compile(constraint)
         out[kind] = (time.perf_counter() - start) * 1e6
         start = time.perf_counter()
-        grammars.masks_now([(0, grammar.matcher())])
+        grammars.masks([grammar.matcher()])
         out[f"{kind}_first_mask"] = (time.perf_counter() - start) * 1e6
     return out
 
@@ -272,34 +272,27 @@ def _step_lines(s: dict) -> list[str]:
     rows = []
     for key, c in s.get("steps", {}).items():
         u = c["us_per_token"]
-        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "masks", "allowed",
-                                                          "sample", "update")), c["rest_us_per_token"]]
+        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "allowed", "sample", "update")),
+                 c["rest_us_per_token"]]
         rows.append(f"| {' | '.join(key.split(' '))} | " + " | ".join(f"{v:.0f}" for v in cells) + " |")
     return _table("Where a generated token's time goes in the engine (in-process, every round; µs per generated "
                   "token; `bench.structured_load.StepClock` wraps the engine's parts in the benchmark's process, in "
-                  "both modes): the model's decode and prefill calls, the decoding rows' masks (filled before "
-                  "the model call), the masks reaching the sampler (the unpacking of the bits; a new prompt's first "
-                  "masks), the sampler, the output step (where each matcher consumes its token), and the rest of "
-                  "the loop.",
-                  ["streams", "mode", "all", "decode", "prefill", "masks", "masks to the sampler", "sample",
-                   "output step", "rest"], rows)
+                  "both modes): the model's decode and prefill calls, the constrained rows' masks (computed, and "
+                  "unpacked for the sampler), the sampler, the output step (where each matcher consumes its token), "
+                  "and the rest of the loop.",
+                  ["streams", "mode", "all", "decode", "prefill", "masks", "sample", "output step", "rest"], rows)
 
 
 def _mask_lines(s: dict) -> list[str]:
     def mm(d: dict | None) -> str:
         return f"{d['median']:.0f} ({d['mean']:.0f})" if d else "—"
 
-    rows = [f"| {level} | {m['mask_us_per_token']:.0f} | {m['rows_per_job']:.0f} | {mm(m['fill_us'])} | "
-            f"{mm(m['start_delay_us'])} | {mm(m['wait_us'])} | {m['overlapped']:.0%} | {mm(m['first_mask_us'])} "
-            f"({m['first_masks']}) | {m['engine_thread_us_per_token']:.0f} |" for level, m in s["masks"].items()]
+    rows = [f"| {level} | {m['mask_us_per_token']:.1f} | {m['rows_per_call']:.0f} | {mm(m['call_us'])} |"
+            for level, m in s["masks"].items()]
     return _table("Masks inside the engine, over the in-process constrained runs of every round (`bench."
-                  "structured_load.MaskClock` wraps `Grammars.start_masks`, `Grammars._fill` and `MaskJob.wait` in "
-                  "the benchmark's process). A decode step has the worker thread fill its rows' masks and waits for "
-                  "them before the model runs. Overlapped: the share of the worker's fill time spent before the "
-                  "engine began to wait. µs as median (mean).",
-                  ["streams", "mask µs per token", "rows per step", "worker fill µs per step",
-                   "hand-over to fill start µs", "engine waited µs per step", "overlapped", "first masks µs (count)",
-                   "engine thread µs per token"], rows)
+                  "structured_load.MaskClock` wraps `Grammars.masks`, which computes a step's constrained rows on the "
+                  "engine thread, one after another). µs as median (mean).",
+                  ["streams", "mask µs per token", "rows per step", "µs per step"], rows)
 
 
 def _compile_lines(s: dict) -> list[str]:

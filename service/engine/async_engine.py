@@ -296,7 +296,6 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
         self._compiler.shutdown(wait=False, cancel_futures=True)
-        self.engine.grammars.close()
 
     def _dispatch(self, out: list[tuple[str, RequestState, TokenEvent | EngineError | None, Timing]]) -> None:
         now = time.monotonic()

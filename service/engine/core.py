@@ -34,7 +34,7 @@ from service.engine.cache_plan import plan_caches
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineError, InvalidRequest, ModelError
-from service.engine.grammar import Grammar, Grammars, MaskJob, allowed
+from service.engine.grammar import Grammar, Grammars, allowed
 from service.engine.kv_cache import KVCache
 from service.engine.output import Output, OutputStep
 from service.engine.prompt_logprobs import record as record_prompt_logprobs
@@ -249,8 +249,7 @@ class Engine:
                 emit(out)
                 out = []
         if batch.decode:
-            masks = self._masks(batch.decode)
-            out += self._sample_and_update(self._run_decode(batch.decode), masks)
+            out += self._sample_and_update(self._run_decode(batch.decode))
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
@@ -319,7 +318,7 @@ class Engine:
 
     # ---- sample, then the output step (engine/output.py) ---------------------------------------
 
-    def _sample_and_update(self, ran: RunnerOutput, masks: MaskJob | None = None) -> list[Output]:
+    def _sample_and_update(self, ran: RunnerOutput) -> list[Output]:
         out = ran.failed
         seqs = ran.seqs
         if not seqs:
@@ -327,7 +326,7 @@ class Engine:
         logits = ran.logits
         if self.sampleable < logits.shape[1]:
             logits[:, self.sampleable:] = -np.inf
-        result = sample(logits, self._sampling_batch(seqs), masks=self._allowed(seqs, masks))
+        result = sample(logits, self._sampling_batch(seqs), masks=self._allowed(seqs))
         now = time.monotonic()
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step
         for i, seq in enumerate(seqs):
@@ -336,22 +335,13 @@ class Engine:
         self._count(len(seqs))
         return out
 
-    def _masks(self, seqs: list[Sequence]) -> MaskJob | None:
-        """The next-token masks of the constrained decoding rows among `seqs`, finished before the model
-        runs: on 2 cores a fill beside onnxruntime's threads slows the model call more than it saves
-        (docs/structured-output.md)."""
-        rows = [(s, s.matcher) for s in seqs if s.matcher is not None and s.status is Status.DECODING]
-        return self.grammars.masks_now(rows) if rows else None
-
-    def _allowed(self, seqs: list[Sequence], job: MaskJob | None) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows, allowed tokens) of the constrained rows among `seqs`, from `job` where it has them."""
+    def _allowed(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, allowed tokens) of the constrained rows among `seqs`."""
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return None
-        keys = [seqs[i] for i in rows]
-        if job is None or not job.covers(keys):
-            job = self.grammars.masks_now([(s, s.matcher) for s in keys])
-        return np.array(rows), allowed(job.masks(keys), self.model.vocab_size)
+        bitmask = self.grammars.masks([seqs[i].matcher for i in rows])
+        return np.array(rows), allowed(bitmask, self.model.vocab_size)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The rows' sampling parameters as vectors, rebuilt only when the rows change."""

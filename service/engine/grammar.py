@@ -4,14 +4,11 @@ sequence that follows its tokens, and the allowed-token masks of a batch.
     grammars = Grammars(tokenizer, vocab_size, eos_ids)
     grammar = grammars.compile(constraint)       # blocking, cached by content; InvalidRequest if it cannot compile
     matcher = grammar.matcher()                   # one per sequence (llguidance's LLMatcher)
-    job = grammars.masks_now([(key, matcher), ...])     # filled by the one mask worker thread
-    bitmask = job.masks(keys)                     # [R, ceil(vocab / 32)] int32, one bit per token
+    bitmask = grammars.masks([matcher, ...])      # [R, ceil(vocab / 32)] int32, one bit per token
+    matcher.consume_token(token)                  # the sampled token; False if the grammar refuses it
 
-llguidance compiles with bounded work (its parser limits) and releases the GIL while it compiles
-and while it computes masks, so compiles run beside the engine. The engine has a step's masks filled
-before its model call: on 2 cores a fill beside onnxruntime's threads slows the model call more than
-it saves (docs/structured-output.md). EOS is in a mask only
-where the grammar may end. JSON has no free whitespace between tokens unless the schema asks for
+llguidance compiles with bounded work (its parser limits) and releases the GIL while it compiles, so
+compiles run beside the engine. EOS is in a mask only where the grammar may end. JSON has no free whitespace between tokens unless the schema asks for
 it (`x-guidance`), so a weak model cannot spend its tokens on blanks.
 """
 
@@ -20,11 +17,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 
 import llguidance
-import llguidance.numpy
 import numpy as np
 
 from service.engine.errors import InvalidRequest
@@ -84,8 +79,6 @@ class Grammars:
         self._unusable: str | None = None  # why llguidance cannot read the tokenizer, once it has tried
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor: llguidance.LLExecutor | None = None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.words = (vocab_size + 31) // 32  # int32 words per mask
 
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -128,49 +121,15 @@ class Grammars:
                 self._cache.move_to_end(constraint)
             return grammar
 
-    def start_masks(self, matchers: list[tuple[Hashable, llguidance.LLMatcher]]) -> MaskJob:
-        """Compute the next-token masks of `matchers` in the worker thread; `MaskJob.masks` waits."""
-        job = MaskJob(self, matchers)
-        job.future = self._worker.submit(self._fill, job)
-        return job
-
-    def masks_now(self, matchers: list[tuple[Hashable, llguidance.LLMatcher]]) -> MaskJob:
-        """The masks computed at once, by the same worker (after any job it runs: one thread uses the executor)."""
-        job = self.start_masks(matchers)
-        job.wait()
-        return job
-
-    def _fill(self, job: MaskJob) -> None:
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, (_, m) in enumerate(job.matchers)], job.bitmask)
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
-
-
-class MaskJob:
-    """The masks of some matchers' next tokens, one row each, in the order given."""
-
-    def __init__(self, grammars: Grammars, matchers: list[tuple[Hashable, llguidance.LLMatcher]]):
-        self.matchers = matchers
-        self.row = {key: i for i, (key, _) in enumerate(matchers)}
-        self.bitmask = np.zeros((len(matchers), grammars.words), dtype=np.int32)
-        self.future: Future | None = None
-
-    def covers(self, keys: Sequence[Hashable]) -> bool:
-        return all(k in self.row for k in keys)
-
-    def wait(self) -> None:
-        if self.future is not None:
-            self.future.result()
-
-    def masks(self, keys: Sequence[Hashable]) -> np.ndarray:
-        """The bitmask rows of `keys` (each one of this job's), waiting for the worker if it still runs."""
-        self.wait()
-        rows = [self.row[k] for k in keys]
-        return self.bitmask if rows == list(range(len(self.matchers))) else self.bitmask[rows]
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """[R, words] int32 bit masks of `matchers`' next tokens, computed on the calling thread one row
+        after another: on these machines neither a worker thread nor llguidance's parallel executor does
+        better (docs/structured-output.md)."""
+        bitmask = np.zeros((len(matchers), self.words), dtype=np.int32)
+        address, row_bytes = bitmask.ctypes.data, self.words * 4  # rows are contiguous
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(address + i * row_bytes, row_bytes)
+        return bitmask
 
 
 def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:

@@ -242,11 +242,11 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n
     adjust = batch.penalised + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.penalised]
     adjusted = logits
     if masks is not None:
-        rows, allowed = masks  # own copy: penalties may write into it
+        rows, allowed = masks
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties may write into it
         if len(rows) == len(logits):
-            adjusted = np.where(allowed, logits, np.float32(-np.inf))
+            np.copyto(adjusted, np.float32(-np.inf), where=~allowed)
         else:
-            adjusted = np.array(logits, dtype=np.float32)
             adjusted[rows] = np.where(allowed, adjusted[rows], np.float32(-np.inf))
     elif adjust:
         adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
