@@ -164,12 +164,12 @@ class MaskClock:
 
     def summary(self) -> dict:
         """Mask µs per constrained token (every call over every row), and per call (one a step)."""
-        rows = sum(r for _, r in self.calls)
-        seconds = [s for s, _ in self.calls]
-        return {"tokens": rows, "mask_us_per_token": sum(seconds) / rows * 1e6 if rows else None,
-                "calls": len(self.calls), "rows_per_call": statistics.median(r for _, r in self.calls) if rows else None,
-                "call_us": {"median": statistics.median(seconds) * 1e6, "mean": statistics.mean(seconds) * 1e6}
-                if seconds else None}
+        if not self.calls:
+            return {"tokens": 0, "mask_us_per_token": None, "calls": 0, "rows_per_call": None, "call_us": None}
+        seconds, rows = zip(*self.calls, strict=True)
+        return {"tokens": sum(rows), "mask_us_per_token": sum(seconds) / sum(rows) * 1e6, "calls": len(rows),
+                "rows_per_call": statistics.median(rows),
+                "call_us": {"median": statistics.median(seconds) * 1e6, "mean": statistics.mean(seconds) * 1e6}}
 
 
 class StepClock:

@@ -8,8 +8,9 @@ sequence that follows its tokens, and the allowed-token masks of a batch.
     matcher.consume_token(token)                  # the sampled token; False if the grammar refuses it
 
 llguidance compiles with bounded work (its parser limits) and releases the GIL while it compiles, so
-compiles run beside the engine. EOS is in a mask only where the grammar may end. JSON has no free whitespace between tokens unless the schema asks for
-it (`x-guidance`), so a weak model cannot spend its tokens on blanks.
+compiles run beside the engine. EOS is in a mask only where the grammar may end. JSON has no free
+whitespace between tokens unless the schema asks for it (`x-guidance`), so a weak model cannot spend
+its tokens on blanks.
 """
 
 from __future__ import annotations
