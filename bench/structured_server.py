@@ -220,10 +220,13 @@ def _rows(runs: dict, counts: dict) -> list[dict]:
 def server_markdown(s: dict, command: str, machine: str) -> list[str]:
     """The server part's lines of the structured section of BENCHMARKS.md."""
     llama = s["settings"].get("llama.cpp") or {}
-    lines = ["### Constrained against unconstrained generation, in the engine, over HTTP and in llama.cpp", "",
+    size = s.get("size", "shipped")
+    model = "The shipped model" if size == "shipped" else f"The {size} shape with random weights (`bench/sizes.py`)"
+    lines = ["### Constrained against unconstrained generation, in the engine, over HTTP and in llama.cpp"
+             + ("" if size == "shipped" else f": {size}"), "",
              f"`{command}` on {machine}; load average (1, 5, 15 min) {_load(s['load_average']['start'])} at the "
              f"start, {_load(s['load_average']['end'])} at the end.", "",
-             f"The shipped model: attnserve's `{s['graph']}` graph (fp32)"
+             f"{model}: attnserve's `{s['graph']}` graph (fp32)"
              + (f", llama.cpp's `{llama['gguf']}` (its converter, f32; llama.cpp {llama['llama.cpp']})" if llama
                 else "") + f". {s['prompt_tokens']}-token random prompt ids, the `SERVER_SCHEMA` of "
              "`bench/structured_cases.py` (8 bounded fields), temperature 1, a seed per prompt, nothing else in "

@@ -42,6 +42,7 @@ import numpy as np
 
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.peers.protocol import percentile
+from bench.sizes import SIZES
 from bench.structured_cases import CONSTRAINTS, JSON_OPTIONS, documents, is_valid, leaf_fields
 from bench.vocabularies import CODE_CHARS, byte_level_bpe, local_texts, sentencepiece_bpe
 
@@ -218,10 +219,10 @@ def markdown(result: dict, command: str) -> str:
         lib = result["library"]
         lines += [f"`{lib.get('command', command)}` on {machine_line(lib.get('machine', result['machine']))}.", "",
                   *library_lines(lib)]
-    if "server" in result:
+    for key in sorted(k for k in result if k.startswith("server")):  # "server" (the shipped model), "server <size>"
         from bench.structured_server import server_markdown
 
-        srv = result["server"]
+        srv = result[key]
         lines += ["", *server_markdown(srv, srv.get("command", command),
                                        machine_line(srv.get("machine", result["machine"])))]
     return "\n".join(lines)
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--singles", type=int, default=3, help="server part: prompts run one after another (batch 1)")
     p.add_argument("--max-tokens", type=int, default=240, help="server part: most tokens of a constrained request")
     p.add_argument("--no-llama-cpp", action="store_true", help="server part: leave llama.cpp's server out")
+    p.add_argument("--size", choices=SIZES, default="shipped", help="server part: the model (a size other than the "
+                   "shipped model has random weights, and its result is kept beside the shipped model's)")
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "structured", help="the prepared model and GGUF")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where structured.json goes (docs/bench: and its "
                                                                   "section of BENCHMARKS.md)")
@@ -288,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe()
     earlier = args.out / "structured.json"
     previous = json.loads(earlier.read_text()) if earlier.is_file() else {}
-    for part in PARTS:  # a part kept from an earlier run keeps the machine it ran on
-        if part in previous:
+    for part in previous:  # a part kept from an earlier run keeps the machine it ran on
+        if part.startswith(PARTS):
             previous[part].setdefault("machine", previous["machine"])
     result = {**previous, "machine": machine}
     if "library" in (args.part or PARTS):
@@ -300,11 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.sizes import prepare
         from bench.structured_server import server_part
 
-        prepared = prepare("shipped", args.work, int4=False)
-        result["server"] = {**server_part(prepared.bundle, prepared.hf_dir, args.work / "shipped" / "peers",
-                                          streams=args.streams, singles=args.singles, budget=args.max_tokens,
-                                          rounds=args.server_rounds, llama=not args.no_llama_cpp),
-                            "command": command, "machine": machine}
+        prepared = prepare(args.size, args.work, int4=False)
+        key = "server" if args.size == "shipped" else f"server {args.size}"
+        result[key] = {**server_part(prepared.bundle, prepared.hf_dir, args.work / args.size / "peers",
+                                     streams=args.streams, singles=args.singles, budget=args.max_tokens,
+                                     rounds=args.server_rounds, llama=not args.no_llama_cpp),
+                       "size": args.size, "command": command, "machine": machine}
     text = markdown(result, command)
     print(text)
     publish("structured", result, text, out=args.out)
