@@ -175,11 +175,11 @@ class MaskClock:
 class StepClock:
     """Where the engine's time goes per generated token, constrained or not, timed in this process without
     changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the constrained rows'
-    masks (`_allowed`: computed, and unpacked for the sampler), the sampler (`service.engine.core.sample`)
+    masks (`masks_of`: computed, and unpacked for the sampler), the sampler (`service.engine.core.sample`)
     and the output step (`OutputStep.update`, where each matcher consumes its token). Sums over every run
     inside it; restored on exit."""
 
-    PARTS = ("_run_prefill", "_run_decode", "_allowed", "sample", "update")
+    PARTS = ("_run_prefill", "_run_decode", "masks_of", "sample", "update")
 
     def __init__(self, engine):
         self.engine = engine

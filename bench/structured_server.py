@@ -275,7 +275,7 @@ def _step_lines(s: dict) -> list[str]:
     rows = []
     for key, c in s.get("steps", {}).items():
         u = c["us_per_token"]
-        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "allowed", "sample", "update")),
+        cells = [c["wall_us_per_token"], *(u[k] for k in ("run_decode", "run_prefill", "masks_of", "sample", "update")),
                  c["rest_us_per_token"]]
         rows.append(f"| {' | '.join(key.split(' '))} | " + " | ".join(f"{v:.0f}" for v in cells) + " |")
     return _table("Where a generated token's time goes in the engine (in-process, every round; µs per generated "

@@ -49,6 +49,13 @@ class EngineConfig(BaseModel):
     """limit on prompt tokens; unset = the context - 1"""
     default_max_new_tokens: int = Field(64, ge=1)
     """max_new_tokens of a request that leaves it 0"""
+    speculative: Literal["off", "ngram"] = "off"
+    """speculative decoding: off, or ngram (prompt lookup: drafts from the request's own prompt and output, checked
+    by the model in a call per sequence where the measured call times say it pays). Sampled output keeps its
+    distribution; greedy output is the same text except where the two likeliest tokens lie within onnxruntime's
+    rounding, and logprobs agree to about 1e-5 (docs/speculative.md)"""
+    speculative_tokens: int = Field(4, ge=1, le=15)
+    """most drafts a sequence proposes per step (fewer where its acceptance makes fewer faster)"""
 
     @model_validator(mode="after")
     def _budget_leaves_room_for_prefill(self) -> EngineConfig:

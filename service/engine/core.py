@@ -42,6 +42,7 @@ from service.engine.request import EngineLimits, Generated, GenerationRequest, T
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
+from service.engine.speculative_step import SpeculativeStep
 from service.runtime.graph_choice import open_serving_graph
 from service.runtime.static_runner import StaticRunner
 
@@ -107,6 +108,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, m.vocab_size, sorted(self.eos_ids))  # structured output
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
+        self.speculation = self._speculation(config)
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
@@ -121,6 +123,13 @@ class Engine:
                  f"prefix cache: {self.prefixes.n_blocks} blocks x {self.prefixes.block_tokens} positions, "
                  f"{self.prefixes.nbytes / 2**20:.1f} MiB" if self.prefixes else "prefix caching off")
 
+    def _speculation(self, config: EngineConfig) -> SpeculativeStep | None:
+        if config.speculative == "off":
+            return None
+        if self.encoder_decoder:
+            raise ValueError("speculative decoding serves decoder-only models; this bundle is an encoder-decoder")
+        return SpeculativeStep(self, config.speculative_tokens)
+
     def warm_up(self) -> None:
         """Run the model at every decode batch size it will see (before any request is added):
         onnxruntime's first run at a new batch size allocates, and requests should not pay for it."""
@@ -128,6 +137,8 @@ class Engine:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()
         self.runner.decode_every_batch_size(self.max_running)
+        if self.speculation is not None:
+            self.speculation.calibrate()
         try:
             self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
         except InvalidRequest as e:
@@ -249,11 +260,15 @@ class Engine:
                 emit(out)
                 out = []
         if batch.decode:
-            out += self._sample_and_update(self._run_decode(batch.decode))
+            out += self.speculation.decode(batch.decode) if self.speculation else self.plain_decode(batch.decode)
         if batch.next_chunk is not None:
             out += self._sample_and_update(self._run_prefill(batch.next_chunk))
         self.steps += 1
         return out
+
+    def plain_decode(self, decode: list[Sequence]) -> list[Output]:
+        """One token for each decoding row, from one model call."""
+        return self._sample_and_update(self._run_decode(decode))
 
     # ---- run: one model call, and who fails if it raises ---------------------------------------
 
@@ -300,13 +315,16 @@ class Engine:
         try:
             logits = self.runner.decode(*self.scheduler.decode_inputs(n))
         except Exception as e:
-            running = dict.fromkeys(s.request_state for s in decode if s.status is Status.DECODING)
-            return RunnerOutput(failed=self._fail(running, e))
+            return RunnerOutput(failed=self.fail_decode(decode, e))
         self.scheduler.decoded(n)
         live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
         if len(live) == n:
             return RunnerOutput(decode, logits)
         return RunnerOutput([decode[i] for i in live], logits[live])
+
+    def fail_decode(self, decode: list[Sequence], error: Exception) -> list[Output]:
+        """A decode call raised: its decoding requests fail."""
+        return self._fail(dict.fromkeys(s.request_state for s in decode if s.status is Status.DECODING), error)
 
     def _fail(self, states: Iterable[RequestState], error: Exception) -> list[Output]:
         log.error("model call failed: %s: %s", type(error).__name__, error, exc_info=error)
@@ -326,16 +344,16 @@ class Engine:
         logits = ran.logits
         if self.sampleable < logits.shape[1]:
             logits[:, self.sampleable:] = -np.inf
-        result = sample(logits, self._sampling_batch(seqs), masks=self._allowed(seqs))
+        result = sample(logits, self._sampling_batch(seqs), masks=self.masks_of(seqs))
         now = time.monotonic()
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step
         for i, seq in enumerate(seqs):
             logprob = None if logprobs[i] != logprobs[i] else logprobs[i]  # NaN: the request asked for none
             out += self.output.update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
-        self._count(len(seqs))
+        self.count_tokens(len(seqs))
         return out
 
-    def _allowed(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+    def masks_of(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, allowed tokens) of the constrained rows among `seqs`."""
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
@@ -352,7 +370,7 @@ class Engine:
 
     # ---- counters ------------------------------------------------------------------------------
 
-    def _count(self, tokens: int) -> None:
+    def count_tokens(self, tokens: int) -> None:
         self.generated_tokens += tokens
         self._rate.append((time.monotonic(), tokens))
         self._rate_tokens += tokens

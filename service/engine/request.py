@@ -184,6 +184,7 @@ class GenerationRequest:
     # score the prompt: each prompt token's logprob and this many alternatives (None: not computed); such a
     # prompt is computed whole, never taken from the prefix cache
     prompt_logprobs: int | None = None
+    speculative: bool = True  # may use speculative decoding where the engine runs it (False: never)
 
     def __post_init__(self):
         self.logprobs = self.logprobs or self.top_logprobs > 0

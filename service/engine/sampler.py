@@ -208,13 +208,27 @@ def sample_filtered(scaled: np.ndarray, filters: Filters, u: np.ndarray) -> np.n
 
 
 def _sample_whole_rows(e: np.ndarray, z: np.ndarray, filters: Filters, u: np.ndarray) -> np.ndarray:
-    """The filters over the whole vocabulary (`e`: unnormalised probabilities): sort the values (not
-    the indices: several times faster), find each row's cut-off, and draw among the tokens at or
-    above it, in vocabulary order."""
+    """The filters over the whole vocabulary, then a draw among the tokens kept, in vocabulary order."""
+    return draw(_kept_weights(e, z, filters), u)
+
+
+def _kept_weights(e: np.ndarray, z: np.ndarray, filters: Filters) -> np.ndarray:
+    """`e` (unnormalised probabilities, normaliser `z`) with the filtered-out tokens at 0: sort the values
+    (not the indices: several times faster) and find each row's cut-off."""
     desc = np.sort(e, axis=1)[:, ::-1]
     keep = filter_sorted(desc / z, filters)  # a prefix of each row
     cutoff = desc[np.arange(len(desc)), keep.sum(axis=1) - 1]
-    return draw(np.where(e >= cutoff[:, None], e, 0.0), u)
+    return np.where(e >= cutoff[:, None], e, 0.0)
+
+
+def filtered_weights(scaled: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Unnormalised probabilities [R, vocab] that rows sharing `params` are drawn from, given their logits
+    after temperature (`scaled`): top-k, top-p and min-p applied over the whole vocabulary."""
+    e = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    if not params.filtered:
+        return e
+    z = e.sum(axis=1, dtype=np.float64)[:, None].astype(np.float32)
+    return _kept_weights(e, z, Filters.of([params] * len(e)))
 
 
 def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.ndarray:

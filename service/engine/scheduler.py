@@ -182,6 +182,13 @@ class Scheduler:
         """Slots [0, n) have each written one more position."""
         self.kv.lengths[:n] += 1
 
+    def verified(self, n: int, kept: dict[int, int]) -> None:
+        """Slots [0, n) have each written their fed token, and slot i its `kept[i]` drafts after it (what
+        a verification wrote past them is overwritten next)."""
+        self.kv.lengths[:n] += 1
+        for i, k in kept.items():
+            self.kv.lengths[i] += k
+
     def feed(self, seq: Sequence, token: int) -> None:
         """`token` is what `seq` feeds at its next decode."""
         self.kv.pending[seq.slot] = token

@@ -11,6 +11,7 @@ from service.engine.detokenizer import TextStream
 from service.engine.prompt_logprobs import FIRST, PromptLogprob
 from service.engine.request import FinishReason, GenerationRequest
 from service.engine.sampler import SamplingState
+from service.engine.speculative import Speculation
 
 
 class Status(enum.Enum):
@@ -42,6 +43,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matcher: Any = None  # the llguidance matcher of a constrained request, advanced with each token
+    speculation: Speculation = field(default_factory=Speculation)  # its drafts so far (speculative decoding)
 
     @property
     def request(self) -> GenerationRequest:

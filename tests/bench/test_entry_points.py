@@ -16,6 +16,8 @@ from bench.machine import describe, machine_line
 # placeholders: {bundle} the tiny bundle (every graph variant), {model} its model directory, {out} a temp folder,
 # {s2s_model} and {s2s_bundle} a tiny encoder-decoder and its bundle
 QUICK = {
+    "speculative": ["--bundle", "{bundle}", "--no-gpt2", "--random-prompts", "--rounds", "1", "--prompts", "2",
+                    "--new-tokens", "8", "--out", "{out}"],
     "hostile": ["--bundle", "{bundle}", "--connections", "40", "--hold-s", "0.5", "--out", "{out}"],
     "engine": ["--bundle", "{bundle}", "--concurrency", "1,2", "--new-tokens", "4", "--repeats", "1",
                "--contexts", "16,32", "--sampler-vocab", "1000", "--sampler-steps", "4", "--out", "{out}"],

@@ -146,7 +146,7 @@ def test_the_step_clock_times_both_modes_and_only_masks_the_constrained(server_r
         level, mode = key.split(" ")
         assert c["tokens"] == rows[int(level)]["samples"][mode][0]["tokens"]
         u = c["us_per_token"]
-        assert set(u) == {"run_prefill", "run_decode", "allowed", "sample", "update"}
+        assert set(u) == {"run_prefill", "run_decode", "masks_of", "sample", "update"}
         assert c["wall_us_per_token"] >= sum(u.values())  # the parts run one after another inside the runs
 
 

@@ -1,0 +1,175 @@
+"""Speculative decoding: tokens proposed cheaply, then checked by the target model in one call.
+
+    index = NgramIndex(max_ngram=3); index.extend(prompt + output)
+    drafts = index.propose(k)                             # up to k ids that followed the history's last n-gram
+    emitted = accept(logits, drafts, state, masks)        # the tokens the target keeps, one more than the drafts kept
+
+A row feeds its pending token and its k drafts in one call (`StaticRunner.verify`); position j's
+logits are the target's distribution after the drafts before j. `accept` walks the drafts:
+
+- greedy rows keep a draft while it is the target's argmax, then add the target's own token, so the
+  text is the one decoding without speculation gives (the logits are the same bits: docs/engine.md);
+- sampled rows keep draft d with probability min(1, p(d) / q(d)) and otherwise draw from the residual
+  max(p - q, 0), renormalised (Leviathan et al. 2023, Chen et al. 2023): the kept tokens follow the
+  target's distribution exactly. A prompt-lookup draft is certain (q(d) = 1): the rule keeps it with
+  probability p(d), which `_match` does by drawing the target's own token with the sequence's next
+  uniform, as decoding without speculation would, and keeping d if it is that token; so the sampled
+  output does not depend on which steps speculated. After k kept drafts the target's last position
+  gives one more token.
+
+p is what the sampler would draw from at that position: the grammar mask, penalties and suppression
+as if the drafts before it were generated, then temperature and top-k/top-p/min-p. Every uniform
+number comes from the sequence's own generator, so a seeded request repeats itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.engine.sampler import SamplingBatch, SamplingState, apply_penalties, filtered_weights, sample_rows
+
+MAX_NGRAM = 3  # the longest suffix looked up in the history
+MIN_NGRAM = 1
+
+
+FIRST_ACCEPTANCE = 0.5  # a new sequence's estimate, before any of its drafts were checked
+ACCEPTANCE_MEMORY = 0.7  # weight of the previous estimate in each update (the rest: this step's share)
+
+
+@dataclass
+class Speculation:
+    """One sequence's speculative decoding so far (its usage block reports them)."""
+
+    acceptance: float = FIRST_ACCEPTANCE
+    proposed: int = 0  # drafts checked by the target
+    accepted: int = 0  # of them, kept
+    calls: int = 0  # target calls that gave this sequence tokens
+    index: NgramIndex | None = None  # its prompt lookup, built at its first proposal
+    started: bool = False  # its acceptance was set from the engine's at its first decode step
+
+    def record(self, proposed: int, kept: int) -> None:
+        self.calls += 1
+        if proposed:
+            self.proposed += proposed
+            self.accepted += kept
+            self.acceptance = ACCEPTANCE_MEMORY * self.acceptance + (1 - ACCEPTANCE_MEMORY) * kept / proposed
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a row yields in expectation from k drafts, each kept with probability `acceptance`."""
+    a = min(acceptance, 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class NgramIndex:
+    """Prompt lookup for one sequence: where each n-gram (n = 1 .. max_ngram) of its history last occurred,
+    kept up to date as the history grows, so a proposal costs a few dictionary lookups. `propose` gives
+    the tokens that followed the latest earlier occurrence of the history's last n tokens, the longest n
+    first: text that repeats or edits the prompt is proposed from it."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.history: list[int] = []
+        self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> where what followed its latest occurrence starts
+
+    def extend(self, tokens: list[int]) -> None:
+        h = self.history
+        for token in tokens:
+            h.append(token)
+            end = len(h) - 1  # the n-grams ending just before `token` are now followed by it
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._follows[tuple(h[end - n:end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` ids to follow the history (its last id the one being fed now)."""
+        h = self.history
+        for n in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
+            start = self._follows.get(tuple(h[len(h) - n:]))
+            if start is not None:
+                return h[start:start + k]
+        return []
+
+
+@dataclass
+class Verdict:
+    """What the target made of one row's drafts."""
+
+    tokens: list[int]  # the drafts kept, then the target's own token
+    kept: int  # drafts kept
+
+    @property
+    def proposed_rejected(self) -> bool:
+        return self.kept < len(self.tokens) - 1
+
+
+def accept(logits: np.ndarray, drafts: list[int], state: SamplingState, allowed: np.ndarray | None = None,
+           draft_probs: np.ndarray | None = None) -> Verdict:
+    """The tokens the target keeps of `drafts`: `logits` [k + 1, vocab] are the target's at the row's k + 1
+    fed positions (not modified); `allowed` [k + 1, vocab] the grammar masks after each draft prefix;
+    `draft_probs` [k, vocab] the draft model's distributions (None: certain drafts, as prompt lookup's)."""
+    k = len(drafts)
+    adjusted = target_logits(logits, drafts, state, allowed)
+    if state.params.greedy:
+        best = adjusted.argmax(axis=1)
+        kept = 0
+        while kept < k and best[kept] == drafts[kept]:
+            kept += 1
+        return Verdict(drafts[:kept] + [int(best[kept])], kept)
+    if draft_probs is None:
+        return _match(adjusted, drafts, state)
+    p = target_probs(adjusted, state)
+    for j, d in enumerate(drafts):
+        if state.rng.random() * float(draft_probs[j, d]) < p[j, d]:  # u < p / q without dividing by a q of 0
+            continue
+        residual = np.maximum(p[j] - draft_probs[j], 0.0)
+        return Verdict(drafts[:j] + [draw_one(residual, state.rng.random())], j)
+    return Verdict(list(drafts) + [draw_one(p[k], state.rng.random())], k)
+
+
+def _match(adjusted: np.ndarray, drafts: list[int], state: SamplingState) -> Verdict:
+    """Certain drafts, sampled: at each position the target draws its own token as the sampler would,
+    with the sequence's next uniform, and a draft is kept while it is that token. A draft d is so kept
+    with probability p(d), and otherwise the token follows p without d: the rule above for q(d) = 1. One
+    uniform per emitted token, drawn as decoding without speculation draws it, so the output is the same
+    tokens as decoding without speculation (up to the logits' rounding)."""
+    batch = SamplingBatch([state])
+    for j in range(len(drafts) + 1):
+        token = int(sample_rows(adjusted[j:j + 1], batch, np.array([state.rng.random()]))[0])
+        if j == len(drafts) or token != drafts[j]:
+            return Verdict(drafts[:j] + [token], j)
+    raise AssertionError("unreachable")
+
+
+def target_logits(logits: np.ndarray, drafts: list[int], state: SamplingState,
+                  allowed: np.ndarray | None) -> np.ndarray:
+    """Each position's logits as the sampler would adjust them, the drafts before it counted as generated:
+    the grammar mask, then penalties and suppression (the same operations `sample` applies, row by row)."""
+    adjusted = np.array(logits, dtype=np.float32)
+    if allowed is not None:
+        np.copyto(adjusted, np.float32(-np.inf), where=~allowed)
+    if state.counts is None and not state.suppressing:  # suppression only ever ends
+        return adjusted
+    ahead = copy.copy(state)
+    if state.counts is not None:
+        ahead.counts, ahead.seen = state.counts.copy(), state.seen.copy()
+    for j in range(len(logits)):
+        if j:
+            ahead.accept(drafts[j - 1])
+        apply_penalties(adjusted[j:j + 1], [ahead])
+    return adjusted
+
+
+def target_probs(adjusted: np.ndarray, state: SamplingState) -> np.ndarray:
+    """[positions, vocab] the probabilities a sampled row draws from: temperature, then its filters."""
+    weights = filtered_weights(adjusted / np.float32(state.params.temperature), state.params)
+    return weights / weights.sum(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)
+
+
+def draw_one(weights: np.ndarray, u: float) -> int:
+    """Index i with probability weights[i] / sum(weights), by inverse CDF."""
+    cum = np.cumsum(weights, dtype=np.float64)
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return min(i, int(np.flatnonzero(weights > 0)[-1]))
