@@ -7,7 +7,9 @@
 Both modes send the same `GenerateRequest` and apply the same defaults (docs/api.md): flags left
 out take the server's defaults. With n = 1 the text is printed as it arrives (`--stream` asks a
 server for GenerateStream; the in-process engine always streams); with n > 1 each completion is
-printed whole. The finish reason goes to stderr.
+printed whole. The finish reason goes to stderr. A decoder's completion continues its prompt, so the
+prompt is printed before it; an encoder-decoder's completion is a new text (the G2P model's phonemes
+of a word), printed alone. `--echo` / `--no-echo` choose either way.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the prompt before the completion (default: for a decoder's continuation, not for "
+                        "an encoder-decoder's target)")
     return p
 
 
@@ -88,9 +93,14 @@ class Printer:
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    printer = Printer(args.prompt, max(args.n, 1))
     try:
         with Client(args.server, timeout_s=args.timeout, **connection_options(args)) as client:
+            echo = args.echo
+            if echo is None:  # the model says whether the completion continues the prompt
+                info = client.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout,
+                                                metadata=client.metadata)
+                echo = info.kind != "encoder-decoder"
+            printer = Printer(args.prompt if echo else "", max(args.n, 1))
             request = request_of(args)
             if args.stream:
                 call = client.stub.GenerateStream(request, timeout=args.timeout, metadata=client.metadata)

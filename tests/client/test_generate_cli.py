@@ -34,3 +34,16 @@ def test_generate_n_completions_reproducible_with_a_seed(engine_bundle):
 def test_generate_reports_a_bad_parameter(engine_bundle):
     out = run("generate", "x", "--bundle", str(engine_bundle), "--top-p", "0")
     assert out.returncode == 2 and "sampling.top_p" in out.stderr and out.stdout == ""
+
+
+def test_an_encoder_decoders_target_is_printed_alone_and_echo_chooses(seq2seq_bundle, engine_bundle):
+    word = "transformer"
+    alone = run("generate", word, "--bundle", str(seq2seq_bundle), "--max-new-tokens", "8", "--temperature", "0")
+    echoed = run("generate", word, "--bundle", str(seq2seq_bundle), "--max-new-tokens", "8", "--temperature", "0",
+                 "--echo")
+    assert alone.returncode == 0 and echoed.returncode == 0, alone.stderr + echoed.stderr
+    assert not alone.stdout.startswith(word) and alone.stdout.strip()
+    assert echoed.stdout == word + alone.stdout  # the same target, after the prompt
+    plain = run("generate", "To be", "--bundle", str(engine_bundle), "--max-new-tokens", "6", "--temperature", "0",
+                "--ignore-eos", "--no-echo")
+    assert plain.returncode == 0 and not plain.stdout.startswith("To be") and plain.stdout
