@@ -40,7 +40,11 @@ def test_the_public_names_are_as_documented():
                                                  "GetServerInfo"]
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields] == [
         "request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs",
-        "truncate_prompt", "prompt_logprobs", "json_schema", "json_object", "regex", "choice", "grammar"]
+        "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "json_schema",
+        "json_object", "regex", "choice", "grammar"]
+    assert [v.name for v in pb.BeamStopping.DESCRIPTOR.values] == [
+        "BEAM_STOPPING_HEURISTIC", "BEAM_STOPPING_EARLY", "BEAM_STOPPING_NEVER"]
+    assert pb.Completion.DESCRIPTOR.fields_by_name["beam_score"].has_presence
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["constraint"].fields] == [
         "json_schema", "json_object", "regex", "choice", "grammar"]
     assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == [

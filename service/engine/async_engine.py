@@ -59,6 +59,7 @@ class RequestStream:
         self.request_id = request.request_id
         self._owner = owner  # the engine's state of this request: compared by identity, never read
         self.n = request.n
+        self.slots = request.slots  # KV slots its sequences hold (its beams, or its n samples)
         self.timing = timing
         self._on_close, self._abort = on_close, abort
         self._items: deque[TokenEvent | EngineError] = deque()
@@ -229,10 +230,10 @@ class AsyncEngine:
         state = self.engine.new_request(request, grammar)  # pure: validates, raises InvalidRequest
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
-        self._admit(request.n)
+        self._admit(request.slots)
         stream = RequestStream(request, state.timing(), self._forget, self.abort, owner=state)
         self._streams[state.id] = stream
-        self._seqs_in_flight += request.n
+        self._seqs_in_flight += request.slots
         self._submitted += 1
         self._commands.put((ADD, state))
         return stream
@@ -260,7 +261,7 @@ class AsyncEngine:
         """The request has ended, in the engine or for its consumer: it no longer counts as in flight."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-            self._seqs_in_flight -= stream.n
+            self._seqs_in_flight -= stream.slots
 
     def abort(self, request_id: str) -> None:
         self._commands.put((ABORT, (request_id, None)))

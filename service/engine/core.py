@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine.beam_search import BeamSearch
+from service.engine.beam_step import BeamStep
 from service.engine.cache_plan import plan_caches
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import TextStream
@@ -109,6 +111,7 @@ class Engine:
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
         self.speculation = self._speculation(config)
+        self.beams = BeamStep(self)
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
@@ -154,8 +157,10 @@ class Engine:
         A constrained request's `grammar` is compiled here unless given (`AsyncEngine` compiles it
         in a worker thread first)."""
         request.validate(self.model.vocab_size, self.context, self.limits)
-        if request.n > self.max_running:
-            raise InvalidRequest("n", f"{request.n} sequences; this engine runs at most {self.max_running} at once")
+        if request.slots > self.max_running:
+            field = "beam.width" if request.beam is not None else "n"
+            raise InvalidRequest(field, f"{request.slots} sequences; this engine runs at most {self.max_running} at "
+                                 "once")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         state = RequestState(request, seed)
         # penalties count the tokens the model has generated from: the prompt, or an encoder-decoder's target
@@ -166,7 +171,11 @@ class Engine:
                                      min_tokens=request.stopping.min_new_tokens)
         if request.constraint is not None and grammar is None:
             grammar = self.grammars.compile(request.constraint)
-        for i in range(request.n):
+        if request.beam is not None:
+            state.beam = BeamSearch(request.beam.width, self.eos_ids | frozenset(request.stopping.stop_token_ids),
+                                    request.stopping.max_new_tokens, request.beam.length_penalty,
+                                    request.beam.early_stopping)
+        for i in range(request.slots):
             sampling = first if i == 0 else first.fork(i, seed)
             seq = Sequence(state, i, sampling, TextStream(self.tokenizer, request.stopping.stop))
             seq.matcher = grammar.matcher() if grammar is not None else None
@@ -344,6 +353,13 @@ class Engine:
         logits = ran.logits
         if self.sampleable < logits.shape[1]:
             logits[:, self.sampleable:] = -np.inf
+        beams = [i for i, seq in enumerate(seqs) if seq.request_state.beam is not None]
+        if beams:  # beam search requests choose their tokens together, the others are sampled
+            out = out + self.beams.update([seqs[i] for i in beams], logits[beams])
+            rest = [i for i in range(len(seqs)) if seqs[i].request_state.beam is None]
+            if not rest:
+                return out
+            seqs, logits = [seqs[i] for i in rest], logits[rest]
         result = sample(logits, self._sampling_batch(seqs), masks=self.masks_of(seqs))
         now = time.monotonic()
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()  # Python numbers, once per step

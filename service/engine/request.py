@@ -169,6 +169,15 @@ class Constraint:
     value: str = ""
 
 
+@dataclass(frozen=True)
+class BeamParams:
+    """Beam search instead of sampling: the `n` best of `width` beams (transformers' `num_beams` rule)."""
+
+    width: int  # beams kept at every step
+    length_penalty: float = 1.0  # a hypothesis scores its log-probability / its length ** length_penalty
+    early_stopping: bool | Literal["never"] = False  # True: stop once `width` hypotheses are finished
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -185,9 +194,15 @@ class GenerationRequest:
     # prompt is computed whole, never taken from the prefix cache
     prompt_logprobs: int | None = None
     speculative: bool = True  # may use speculative decoding where the engine runs it (False: never)
+    beam: BeamParams | None = None  # beam search: the n best of beam.width beams, in place of sampling
 
     def __post_init__(self):
         self.logprobs = self.logprobs or self.top_logprobs > 0
+
+    @property
+    def slots(self) -> int:
+        """Sequences the request runs at once: its beams, or its n samples."""
+        return self.beam.width if self.beam is not None else self.n
 
     def validate(self, vocab_size: int, n_ctx: int, limits: EngineLimits) -> None:
         """Raise `InvalidRequest` for the first bad field; may truncate the prompt if asked to."""
@@ -196,6 +211,8 @@ class GenerationRequest:
             raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
         _int_range("n", self.n, 1, limits.max_n)
         _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
+        if self.beam is not None:
+            self._validate_beam(limits)
         if self.prompt_logprobs is not None:
             if limits.encoder_decoder:
                 raise InvalidRequest("prompt_logprobs", "an encoder-decoder's prompt is its source, which the "
@@ -224,6 +241,27 @@ class GenerationRequest:
             if not (isinstance(t, int) and 0 <= t < vocab_size):
                 raise InvalidRequest(f"prompt_token_ids[{i + dropped}]",
                                      f"{t!r} is outside the vocabulary [0, {vocab_size - 1}]")
+
+    def _validate_beam(self, limits: EngineLimits) -> None:
+        """Beam search ranks whole hypotheses by the model's log-probabilities: what shapes sampling or a single
+        token's choice does not apply, and is refused by name rather than ignored."""
+        b, s, st = self.beam, self.sampling, self.stopping
+        _int_range("beam.width", b.width, 2, limits.max_n)
+        _int_range("n", self.n, 1, b.width)
+        if not isinstance(b.length_penalty, (int, float)) or not -10.0 <= b.length_penalty <= 10.0:
+            raise InvalidRequest("beam.length_penalty", f"{b.length_penalty!r} is outside [-10, 10]")
+        if b.early_stopping not in (True, False, "never"):
+            raise InvalidRequest("beam.early_stopping", f"{b.early_stopping!r} is not true, false or 'never'")
+        refused = {"constraint": self.constraint is not None, "logprobs": self.logprobs,
+                   "stopping.stop": bool(st.stop), "stopping.min_new_tokens": st.min_new_tokens > 0,
+                   "stopping.ignore_eos": st.ignore_eos, "sampling.top_k": s.top_k > 0, "sampling.top_p": s.top_p < 1.0,
+                   "sampling.min_p": s.min_p > 0, "sampling.repetition_penalty": s.repetition_penalty != 1.0,
+                   "sampling.presence_penalty": s.presence_penalty != 0.0,
+                   "sampling.frequency_penalty": s.frequency_penalty != 0.0}
+        for name, set_ in refused.items():
+            if set_:
+                raise InvalidRequest(name, "does not apply to beam search, which ranks whole hypotheses by the "
+                                     "model's log-probabilities")
 
     def _fit_context(self, n_ctx: int, limits: EngineLimits) -> None:
         """The prompt and max_new_tokens must fit the context together (a prompt that may be truncated is cut
@@ -277,6 +315,7 @@ class TokenEvent:
     # on each sequence's first event of a request that asked for them: one (logprob, alternatives) per prompt
     # token, the first token's (None, None) (`service.engine.prompt_logprobs`)
     prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
+    beam_score: float | None = None  # on a beam search completion's last event: its hypothesis's score
 
 
 @dataclass

@@ -118,7 +118,7 @@ class Scheduler:
         longest = 0
         while self.waiting:
             state = self.waiting[0]
-            n, length = state.request.n, len(state.prompt)
+            n, length = state.request.slots, len(state.prompt)
             if n > self.kv.free_slots or self.num_running + n > self.max_running:
                 break
             if batch and (len(batch) + 1) * max(longest, length) > budget:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engine.beam_search import BeamSearch
 from service.engine.detokenizer import TextStream
 from service.engine.prompt_logprobs import FIRST, PromptLogprob
 from service.engine.request import FinishReason, GenerationRequest
@@ -67,6 +68,7 @@ class RequestState:
     # the prompt's logprobs as its chunks are prefilled, when the request asks for them
     prompt_logprobs: list[PromptLogprob] | None = None
     done: bool = False
+    beam: BeamSearch | None = None  # a beam search request's running beams and finished hypotheses
 
     def __post_init__(self):
         if self.request.prompt_logprobs is not None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import (
+    BeamParams,
     Constraint,
     EngineLimits,
     GenerationRequest,
@@ -48,6 +49,7 @@ class RequestFields(BaseModel):
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives per token
     truncate_prompt: bool = False
     constraint: Constraint | None = None  # structured output: the grammar every completion must match
+    beam: BeamParams | None = None  # beam search in place of sampling
 
     @field_validator("request_id")
     @classmethod
@@ -118,11 +120,12 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
         stopping["max_new_tokens"] = 1
     elif stopping.get("max_new_tokens") is None:
         stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt, default_max_new)
-    sampling = {**(model.sampling_defaults or {}), **sampling}
+    if f.beam is None:  # a beam search does not sample: the model's sampling defaults do not apply to it
+        sampling = {**(model.sampling_defaults or {}), **sampling}
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
                                 logprobs=f.logprobs, truncate_prompt=f.truncate_prompt,
-                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint)
+                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint, beam=f.beam)
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo, prompt_only)

@@ -42,11 +42,14 @@ ACCEPTED = {
     "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
     "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
     "logit_bias": {"logit_bias": {}}, "suffix": {"suffix": ""}, "best_of": {"best_of": 1},
+    "use_beam_search": {"use_beam_search": True, "n": 2, "temperature": 0},
+    "length_penalty": {"use_beam_search": True, "best_of": 2, "length_penalty": 0.5},
+    "early_stopping": {"use_beam_search": True, "best_of": 2, "early_stopping": "never"},
 }
 # the refusals the table documents: a value the server cannot honour, refused naming the field
 REFUSED = {
     "tool_choice": "required", "store": True, "modalities": ["audio"],
-    "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2,
+    "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2, "length_penalty": 2.0, "early_stopping": True,
 }
 
 

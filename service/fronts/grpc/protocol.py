@@ -17,7 +17,7 @@ import numpy as np
 
 from attnserve.v1 import generate_pb2 as pb
 from service.engine.errors import InvalidRequest
-from service.engine.request import Constraint, FinishReason, TokenEvent
+from service.engine.request import BeamParams, Constraint, FinishReason, TokenEvent
 from service.engine.sequence import Timing
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
@@ -37,7 +37,8 @@ def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest
     fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
               "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg),
-              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None}
+              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+              "beam": beam(msg)}
     return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)
 
 
@@ -53,6 +54,21 @@ def constraint(msg: pb.GenerateRequest) -> Constraint | None:
     if which == "choice":
         return Constraint("choice", json.dumps(list(msg.choice.choices)))
     return Constraint(which, getattr(msg, which))
+
+
+BEAM_STOPPING = {pb.BEAM_STOPPING_HEURISTIC: False, pb.BEAM_STOPPING_EARLY: True, pb.BEAM_STOPPING_NEVER: "never"}
+
+
+def beam(msg: pb.GenerateRequest) -> BeamParams | None:
+    """The request's beam search fields as the engine's `BeamParams` (None: it samples)."""
+    if msg.beam_width == 0:
+        if msg.HasField("length_penalty") or msg.beam_stopping:
+            raise InvalidRequest("beam_width", "length_penalty and beam_stopping need beam search: set beam_width")
+        return None
+    if msg.beam_stopping not in BEAM_STOPPING:
+        raise InvalidRequest("beam_stopping", f"{msg.beam_stopping} is not a BeamStopping value")
+    return BeamParams(msg.beam_width, msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+                      BEAM_STOPPING[msg.beam_stopping])
 
 
 def sampling_values(msg: pb.SamplingParams) -> dict:
@@ -131,6 +147,8 @@ def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: 
             msg.prompt_logprobs.extend(prompt_logprobs(accepted, evs[0], texts))
         if evs[-1].finish_reason is not None:
             msg.finish_reason = FINISH[evs[-1].finish_reason]
+        if evs[-1].beam_score is not None:
+            msg.beam_score = evs[-1].beam_score
         out.append(msg)
     sent.completion_tokens += len(events)
     if last and out:
@@ -149,6 +167,7 @@ class Collector:
         self._ids: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
         self._finish = [pb.FINISH_REASON_UNSPECIFIED] * n
+        self._scores: list[float | None] = [None] * n  # a beam search's hypothesis scores
         self._last_time = 0.0
         self._prompt_logprobs: list[pb.TokenLogprob] = []
 
@@ -162,11 +181,14 @@ class Collector:
                 self._logprobs[e.index].append(token_logprob(e, self.texts))
             if e.finish_reason is not None:
                 self._finish[e.index] = FINISH[e.finish_reason]
+            if e.beam_score is not None:
+                self._scores[e.index] = e.beam_score
             self._last_time = e.time
 
     def response(self, timing: Timing) -> pb.GenerateResponse:
         completions = [pb.Completion(index=i, text="".join(self._text[i]), token_ids=self._ids[i],
-                                     finish_reason=self._finish[i], logprobs=self._logprobs[i])
+                                     finish_reason=self._finish[i], logprobs=self._logprobs[i],
+                                     beam_score=self._scores[i])
                        for i in range(self.accepted.request.n)]
         tokens = sum(len(ids) for ids in self._ids)
         return pb.GenerateResponse(request_id=self.accepted.request_id, completions=completions,

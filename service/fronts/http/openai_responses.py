@@ -66,6 +66,7 @@ class Choice:
     chars: int = 0  # characters of text so far (for text_offset)
     finish_reason: str | None = None
     tokens: int = 0
+    beam_score: float | None = None  # a beam search's hypothesis score, once it ends
 
 
 class ResponseBuilder:
@@ -128,7 +129,13 @@ class ResponseBuilder:
             c.tokens += 1
             if e.finish_reason is not None:
                 c.finish_reason = FINISH[e.finish_reason]
+            if e.beam_score is not None:
+                c.beam_score = e.beam_score
         return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
+
+    def scored(self, choice: dict[str, Any], c: Choice) -> dict[str, Any]:
+        """`choice` with the beam search score of `c` (vLLM's field), when it has one."""
+        return choice if c.beam_score is None else {**choice, "beam_score": c.beam_score}
 
     def add(self, stream_index: int, events: list[TokenEvent]) -> None:
         self._add(stream_index, events)
@@ -202,9 +209,9 @@ class CompletionBuilder(ResponseBuilder):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": self.choices[index].finish_reason}
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": c.index, "text": "".join(c.text),
-                    "logprobs": self.logprobs[c.index] if self.want_logprobs else None,
-                    "finish_reason": c.finish_reason} for c in self.choices]
+        choices = [self.scored({"index": c.index, "text": "".join(c.text),
+                                "logprobs": self.logprobs[c.index] if self.want_logprobs else None,
+                                "finish_reason": c.finish_reason}, c) for c in self.choices]
         return self.envelope(choices, chunk=False)
 
 
@@ -278,9 +285,9 @@ class ChatBuilder(ResponseBuilder):
         choices = []
         for c in self.choices:
             message, finish_reason = self._message(c)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs else None,
-                            "finish_reason": finish_reason})
+            choices.append(self.scored({"index": c.index, "message": message,
+                                        "logprobs": {"content": self.logprobs[c.index]} if self.want_logprobs
+                                        else None, "finish_reason": finish_reason}, c))
         return self.envelope(choices, chunk=False)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
+from service.engine.request import BeamParams
 from service.fronts.tool_calls import ToolUse
 
 Number = StrictInt | StrictFloat
@@ -89,10 +90,34 @@ class SamplingFields(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: StructuredOutputs | None = None
+    # beam search (vLLM's fields): best_of beams, the n best returned
+    use_beam_search: StrictBool | None = None
+    best_of: StrictInt | None = None
+    length_penalty: Number | None = None
+    early_stopping: StrictBool | Literal["never"] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise InvalidRequest("logit_bias", "is not supported by this server")
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise InvalidRequest(name, "applies to beam search only: set use_beam_search")
+            if self.best_of is not None and self.best_of != (self.n or 1):
+                raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned), "
+                                     "or as the beam width with use_beam_search")
+
+    def beam(self) -> BeamParams | None:
+        """The beam search the body asks for: best_of beams (default n), the n best returned."""
+        if not self.use_beam_search:
+            return None
+        if self.temperature not in (None, 0):
+            raise InvalidRequest("temperature", "must be 0 or unset with use_beam_search: beam search does not sample")
+        width = self.best_of if self.best_of is not None else (self.n or 1)
+        if width < 2:
+            raise InvalidRequest("best_of", f"{width}: beam search keeps at least 2 beams (best_of, default n)")
+        return BeamParams(width, 1.0 if self.length_penalty is None else self.length_penalty,
+                          False if self.early_stopping is None else self.early_stopping)
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling values the client set (unset ones keep the engine's defaults)."""
@@ -117,14 +142,11 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None  # top alternatives per token; 0 = the chosen token's logprob only
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.suffix:
             raise InvalidRequest("suffix", "is not supported by this server (no insertion)")
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned)")
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request, as text or token ids: one choice group each."""
