@@ -163,3 +163,34 @@ def test_the_shipped_g2p_models_beams_are_transformers_alone_and_batched(tmp_pat
                 got = [(run.tokens(r.request_id, j), run.events[(r.request_id, j)][-1].beam_score) for j in range(n)]
                 assert [t for t, _ in got] == [t for t, _ in want], (words[i], width)
                 assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=5e-5, abs=1e-4)
+
+
+def test_the_shipped_decoders_beams_are_transformers_alone_and_batched(tmp_path):
+    """The default model exported to transformers (Llama) against its shipped bundle: a decoder's beams."""
+    from model.checkpoint import load_model_dir
+    from model.hf.export_hf import export_hf
+    from service.engine.config import EngineConfig
+    from service.engine.core import Engine
+    from tests.conftest import ROOT, SHIPPED_BUNDLE
+    from tests.engine.harness import drive, sampled
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(ROOT / "models" / "shakespeare", tmp_path / "hf"))
+    hf = hf.eval()
+    _, tok = load_model_dir(ROOT / "models" / "shakespeare")
+    prompts = [tok.encode(t) for t in ("ROMEO:\n", "To be, or not to be", "KING.\nWhat says")]
+    config = dict(bundle=SHIPPED_BUNDLE, graph="static", max_running=16, max_batch_tokens=128, threads=1)
+    width, n, lp = 3, 2, 1.0
+    requests = [beam_request(f"p{i}", p, width, n, 12, lp, False) for i, p in enumerate(prompts)]
+    together = drive(Engine(EngineConfig(**config)), requests + [sampled("s", prompts[0], 8, seed=1)])
+    for p, r in zip(prompts, requests, strict=True):
+        out = hf.generate(torch.tensor([p]), num_beams=width, num_return_sequences=n, max_new_tokens=12,
+                          length_penalty=lp, early_stopping=False, do_sample=False, min_length=0,
+                          output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        want = [(row[len(p):], score) for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(),
+                                                            strict=True)]
+        want = [(t[:t.index(0) + 1] if 0 in t else t, s) for t, s in want]
+        alone = drive(Engine(EngineConfig(**config)), [r])
+        for run in (together, alone):
+            got = [(run.tokens(r.request_id, j), run.events[(r.request_id, j)][-1].beam_score) for j in range(n)]
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=5e-5, abs=1e-4)
