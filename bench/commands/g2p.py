@@ -12,7 +12,9 @@ sinusoidal positions become BART's position table). CTranslate2 converts that di
 models/g2p-cmudict-onnx), in-process and over gRPC. Every system runs in a process of its own
 (`bench/peers/seq2seq_peer.py`, `bench/peers/seq2seq_attnserve.py`) on the same source ids, greedy, to
 EOS or 35 tokens (the model's longest target); the rounds go over every system in turn, rotated, so a
-noisy machine slows them alike.
+noisy machine slows them alike. With `--beam K` (default 4) every system runs a second time with beam search of
+width K (CTranslate2's `beam_size`, transformers' `num_beams`, attnserve's `beam_width`): its rows are
+named "... beam K", and "same as" compares them with transformers' beam output instead of PyTorch's greedy.
 
 The words are a fixed sample of the held-out test words. Alone: the first 64 of them one after another.
 Concurrent: all of them, 32 at a time. Reported per system: the medians of words/s over the rounds, how
@@ -106,8 +108,8 @@ def run(cmd: list[str], spec_path: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarize(results: list[dict], words: list[str], refs: dict, torch_out: list[list[int]],
-              vocab: list[str]) -> dict:
+def summarize(results: list[dict], words: list[str], refs: dict, reference_out: list[list[int]] | None,
+              vocab: list[str], name: str) -> dict:
     from model.training import g2p_data as data
 
     first = results[0]
@@ -115,11 +117,12 @@ def summarize(results: list[dict], words: list[str], refs: dict, torch_out: list
     predictions = {w: tuple(vocab[i] for i in row if vocab[i] in data.PHONEMES)
                    for w, row in zip(words, outputs, strict=True)}
     scores = data.score(predictions, refs)
-    return {"system": first["system"], "precision": first["precision"], "settings": first["settings"],
+    return {"system": name, "precision": first["precision"], "settings": first["settings"],
             "versions": first["versions"],
             "alone_words_per_s": statistics.median(x for r in results for x in r["alone_words_per_s"]),
             "concurrent_words_per_s": statistics.median(x for r in results for x in r["concurrent_words_per_s"]),
-            "same_as_pytorch": sum(a == b for a, b in zip(outputs, torch_out, strict=True)),
+            "same_as_reference": None if reference_out is None else sum(
+                a == b for a, b in zip(outputs, reference_out, strict=True)),
             "wer": scores.wer, "per": scores.per,
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results)}
 
@@ -134,12 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "g2p-bench")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--beam", type=int, default=4, help="beam width of the beam search rows (1: greedy rows only)")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     spec, refs = make_spec(args.model, args.words, args.seed)
     spec["repeats"] = 1
     spec_path = args.work / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    beam_path = args.work / "spec-beam.json"
+    beam_path.write_text(json.dumps({**spec, "beam": args.beam}))
     torch_out = reference(args.model, spec)
     commands, why = prepare(args.work, args.model)
     ours = [sys.executable, "-m", "bench.peers.seq2seq_attnserve", "--bundle", str(args.bundle), "--mode"]
@@ -148,15 +154,24 @@ def main(argv: list[str] | None = None) -> int:
     for name in skipped:
         print(f"  {name}: skipped: {why}")
     systems = [name for name in SYSTEMS if name not in skipped]
+    specs = dict.fromkeys(systems, spec_path)
+    if args.beam > 1:
+        beams = {f"{name} beam {args.beam}": name for name in systems}
+        commands |= {b: commands[name] for b, name in beams.items()}
+        specs |= dict.fromkeys(beams, beam_path)
+        systems += list(beams)
     results: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(args.rounds):
         print(f"  round {r + 1}/{args.rounds}")
         for name in systems[r % len(systems):] + systems[:r % len(systems)]:
-            results[name].append(run(commands[name], spec_path))
+            results[name].append(run(commands[name], specs[name]))
             last = results[name][-1]
             print(f"    {name:<22} alone {statistics.median(last['alone_words_per_s']):7.1f} words/s   "
                   f"{CONCURRENCY} at a time {statistics.median(last['concurrent_words_per_s']):7.1f} words/s")
-    rows = [summarize(results[n], spec["words"], refs, torch_out, spec["vocab"]) for n in systems]
+    beam_reference = next((results[n][0]["outputs"] for n in systems if n.startswith("transformers") and " beam " in n),
+                          None)
+    rows = [summarize(results[n], spec["words"], refs, beam_reference if " beam " in n else torch_out, spec["vocab"],
+                      n) for n in systems]
     result = {"machine": describe(), "argv": argv if argv is not None else sys.argv[1:], "words": len(spec["words"]),
               "alone": spec["alone"], "concurrency": CONCURRENCY, "rounds": args.rounds, "rows": rows,
               "skipped": skipped, "skipped_because": why if skipped else ""}
@@ -172,14 +187,15 @@ def render(r: dict) -> str:
     argv = shown(" ".join(r["argv"]))
     lines = [f"`attnserve bench g2p{' ' + argv if argv else ''}` on {machine_line(m)}: {r['words']} held-out words "
              f"(the first {r['alone']} also alone), {r['rounds']} interleaved rounds, medians.", "",
-             f"| system | alone, words/s | {r['concurrency']} at a time, words/s | same as PyTorch | WER | PER "
-             "| peak RSS |", "|---|---|---|---|---|---|---|"]
+             f"| system | alone, words/s | {r['concurrency']} at a time, words/s | same as PyTorch greedy "
+             "(beam rows: transformers' beams) | WER | PER | peak RSS |", "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
-        lines.append(f"| {row['system']} {row['precision']} | {row['alone_words_per_s']:.0f} | "
-                     f"{row['concurrent_words_per_s']:.0f} | {row['same_as_pytorch']}/{r['words']} | "
+        same = "—" if row["same_as_reference"] is None else f"{row['same_as_reference']}/{r['words']}"
+        lines.append(f"| {row['system']} | {row['alone_words_per_s']:.0f} | "
+                     f"{row['concurrent_words_per_s']:.0f} | {same} | "
                      f"{row['wer']:.1%} | {row['per']:.2%} | {row['peak_rss_bytes'] / 2**20:.0f} MiB |")
     lines += ["", "Settings:"]
-    lines += [f"- {row['system']} {row['precision']} ({', '.join(f'{k} {v}' for k, v in row['versions'].items())}): "
+    lines += [f"- {row['system']} ({', '.join(f'{k} {v}' for k, v in row['versions'].items())}): "
               + "; ".join(f"{k}: {shown(str(v))}" for k, v in row["settings"].items()) for row in r["rows"]]
     if r["skipped"]:
         lines.append(f"- skipped: {', '.join(r['skipped'])}: {r['skipped_because']}")

@@ -23,16 +23,17 @@ from bench.peers.protocol import emit, peak_rss_bytes
 
 
 def limits(spec: dict) -> dict:
-    c = spec["concurrency"]
+    c = spec["concurrency"] * spec.get("beam", 1)  # a beam search runs a sequence per beam
     longest = max(map(len, spec["sources"]))
     return {"max_running": c, "max_batch_tokens": max(512, c * (longest + 1))}
 
 
-def engine_run(engine, sources: list[list[int]], max_new: int) -> list[list[int]]:
-    from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+def engine_run(engine, sources: list[list[int]], max_new: int, beam: int = 1) -> list[list[int]]:
+    from service.engine.request import BeamParams, GenerationRequest, SamplingParams, StoppingCriteria
 
     done = engine.generate([GenerationRequest(f"s{i}", list(src), SamplingParams(temperature=0.0),
-                                              StoppingCriteria(max_new_tokens=max_new))
+                                              StoppingCriteria(max_new_tokens=max_new),
+                                              beam=BeamParams(beam) if beam > 1 else None)
                             for i, src in enumerate(sources)])
     for result in done:
         if result.error is not None:
@@ -50,9 +51,10 @@ def in_process(bundle: Path, spec: dict) -> tuple[dict, dict]:
     eos = engine.model.eos_token_id
 
     def run(sources: list[list[int]], batch: int) -> list[list[int]]:
+        beam = spec.get("beam", 1)
         if batch == 1:
-            return [engine_run(engine, [s], spec["max_new"])[0] for s in sources]
-        return engine_run(engine, sources, spec["max_new"])
+            return [engine_run(engine, [s], spec["max_new"], beam)[0] for s in sources]
+        return engine_run(engine, sources, spec["max_new"], beam)
 
     async def run_async(sources: list[list[int]], batch: int) -> list[list[int]]:
         return run(sources, batch)
@@ -87,9 +89,11 @@ async def grpc_measure(address: str, spec: dict) -> dict:
         await channel.channel_ready()
 
         async def one(src: list[int]) -> list[int]:
+            beam = spec.get("beam", 1)
             reply = await stub.Generate(pb.GenerateRequest(
                 prompt_token_ids=src, sampling=pb.SamplingParams(temperature=0.0),
-                stopping=pb.StoppingCriteria(max_new_tokens=spec["max_new"])), timeout=600)
+                stopping=pb.StoppingCriteria(max_new_tokens=spec["max_new"]), beam_width=beam if beam > 1 else 0),
+                timeout=600)
             ids = list(reply.completions[0].token_ids)
             return ids[:-1] if reply.completions[0].finish_reason == pb.FINISH_REASON_EOS_TOKEN else ids
 

@@ -14,7 +14,8 @@ Result: {"system", "precision", "settings", "versions", "alone_words_per_s": [pe
 Alone: the first K sources one after another. Concurrent: every source, C at a time: CTranslate2's
 `translate_batch(max_batch_size=C)` (it has no continuous batching; batching is its documented way to
 serve many requests, and it orders each batch by length itself), transformers' `generate` on padded
-batches of C. Both greedy (beam 1), to EOS or N tokens, from the model's decoder start token.
+batches of C. Greedy (beam 1), or beam search of the spec's `beam` width, to EOS or N tokens, from the
+model's decoder start token.
 CTranslate2 runs `ct2-transformers-converter` on the `attnserve export-hf` BART directory, unchanged;
 intra_threads = the cores, inter_threads = 1 (one batch at a time holds the cores). transformers runs
 fp32 in PyTorch with torch's default threads (one per core).
@@ -47,13 +48,14 @@ class CTranslate2:
                                                  intra_threads=cores(), inter_threads=1)
         self.ids = {token: i for i, token in enumerate(spec["vocab"])}
         self.max_new = spec["max_new"]
+        self.beam = spec.get("beam", 1)
         self.settings = {"compute_type": QUANTIZATION[precision], "intra_threads": cores(), "inter_threads": 1,
                          "alone": "translate_batch of one source", "concurrent": "translate_batch, max_batch_size=C",
-                         "greedy": "beam_size=1", "converter": f"ct2-transformers-converter --quantization "
-                                                               f"{QUANTIZATION[precision]}"}
+                         "decoding": f"beam_size={self.beam}", "converter": f"ct2-transformers-converter "
+                                                                            f"--quantization {QUANTIZATION[precision]}"}
 
     def run(self, sources: list[list[str]], batch: int) -> list[list[int]]:
-        results = self.translator.translate_batch(sources, max_batch_size=batch, beam_size=1,
+        results = self.translator.translate_batch(sources, max_batch_size=batch, beam_size=self.beam,
                                                   max_decoding_length=self.max_new)
         return [[self.ids[t] for t in r.hypotheses[0]] for r in results]
 
@@ -68,9 +70,10 @@ class Transformers:
         c = self.model.config
         self.pad, self.eos, self.start = c.pad_token_id, c.eos_token_id, c.decoder_start_token_id
         self.max_new = spec["max_new"]
+        self.beam = spec.get("beam", 1)
         self.settings = {"dtype": "float32", "threads": torch.get_num_threads(),
                          "alone": "generate on one source", "concurrent": "generate on padded batches of C",
-                         "greedy": "num_beams=1, do_sample=False"}
+                         "decoding": f"num_beams={self.beam}, do_sample=False"}
 
     def run(self, sources: list[list[int]], batch: int) -> list[list[int]]:
         out = []
@@ -80,7 +83,7 @@ class Transformers:
             ids = self.torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
             with self.torch.no_grad():
                 gen = self.model.generate(input_ids=ids, attention_mask=(ids != self.pad).long(), do_sample=False,
-                                          num_beams=1, max_new_tokens=self.max_new, min_length=0,
+                                          num_beams=self.beam, max_new_tokens=self.max_new, min_length=0,
                                           decoder_start_token_id=self.start, forced_bos_token_id=None,
                                           forced_eos_token_id=None)
             out += [row[1:] for row in gen.tolist()]

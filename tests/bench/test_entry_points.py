@@ -38,8 +38,8 @@ QUICK = {
                      "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
     "structured": ["--vocabs", "300", "--sp-vocab", "400", "--code-chars", "0", "--rounds", "1", "--walks", "2",
                    "--out", "{out}"],
-    "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--work",
-            "{out}/work", "--out", "{out}"],
+    "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--beam", "2",
+            "--work", "{out}/work", "--out", "{out}"],
 }
 SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p"}  # start a server, or export a graph with torch
 
