@@ -47,6 +47,10 @@ class EngineConfig(BaseModel):
     """limit on a request's max_new_tokens; unset = the model context - 1"""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """limit on prompt tokens; unset = the context - 1"""
+    max_source_tokens: int | None = Field(None, ge=1)
+    """an encoder-decoder's longest source: each KV slot holds this many source positions of cross-attention
+    keys and values (a smaller one reserves less memory per sequence and reads less per step; logits then agree
+    with the full width's to about 1e-6); unset = the model's longest source. Refused for a decoder-only bundle"""
     default_max_new_tokens: int = Field(64, ge=1)
     """max_new_tokens of a request that leaves it 0"""
     speculative: Literal["off", "ngram"] = "off"

@@ -88,7 +88,8 @@ class Engine:
     def __init__(self, config: EngineConfig, runner: StaticRunner | None = None):
         self.config = config
         self.runner = runner or open_serving_graph(config.bundle, config.graph, config.providers, config.threads,
-                                                   config.max_running, config.allow_low_agreement)
+                                                   config.max_running, config.allow_low_agreement,
+                                                   config.max_source_tokens)
         m = self.runner.manifest.model
         self.model = m
         self.eos_ids = frozenset(m.stop_ids)  # every id that ends generation (Llama 3 has several)

@@ -66,15 +66,19 @@ class Candidate:
 
 
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
-                       max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False) -> StaticRunner:
+                       max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False,
+                       max_source: int | None = None) -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
-    (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto)."""
+    (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
+    `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source)."""
     def open_(name: str | None) -> StaticRunner:
         return StaticRunner(bundle, name, provider, threads)
 
     if read_manifest(bundle).model.encoder_decoder:
-        return open_encoder_decoder(bundle, graph, provider, threads)
+        return open_encoder_decoder(bundle, graph, provider, threads, max_source)
+    if max_source is not None:
+        raise BundleError(f"{bundle} holds a decoder-only model: max_source_tokens applies to encoder-decoders")
     if graph != AUTO_GRAPH:
         runner = open_(graph)
         if not check(runner, allow_low_agreement=allow_low_agreement).invariance.identical:
@@ -116,10 +120,15 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     return best.runner
 
 
-def open_encoder_decoder(bundle: Path, graph: str, provider: Provider, threads: int) -> Seq2SeqRunner:
+def open_encoder_decoder(bundle: Path, graph: str, provider: Provider, threads: int,
+                         max_source: int | None = None) -> Seq2SeqRunner:
     """An encoder-decoder bundle's runner: its fp32 graphs on the CPU, which export verified against
     PyTorch (there is no reduced-precision encoder-decoder graph to choose from or check)."""
-    runner = Seq2SeqRunner(bundle, None if graph == AUTO_GRAPH else graph, provider, threads)
+    try:
+        runner = Seq2SeqRunner(bundle, None if graph == AUTO_GRAPH else graph, provider, threads,
+                               max_source=max_source)
+    except ValueError as e:
+        raise BundleError(str(e)) from None
     if runner.provider != "CPUExecutionProvider" or runner.spec.weights != "float32":
         raise BundleError(f"an encoder-decoder graph is served in fp32 on the CPU; {runner.graph_name!r} has "
                           f"{runner.spec.weights} weights on {runner.provider}: serve it with provider 'cpu'")

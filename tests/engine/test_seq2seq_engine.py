@@ -138,3 +138,23 @@ def test_a_deadline_ends_a_running_request_and_frees_its_slots(make_s2s):
     engine.generate(on_outputs=run.collect)
     check_idle(engine)
     assert run.tokens("keep") == want
+
+
+def test_max_source_tokens_sizes_each_slots_source_state_and_keeps_outputs(make_s2s, engine_bundle):
+    full = make_s2s()
+    srcs = sources(full)
+    width = max(len(s) for s in srcs)
+    small = make_s2s(max_source_tokens=width)
+    assert small.kv.nbytes < full.kv.nbytes and small.limits.max_prompt_tokens == width
+    requests = [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs)]
+    a, b = drive(full, requests), drive(small, [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs)])
+    for i in range(len(srcs)):  # the same tokens; logprobs to rounding: the attention sums fewer masked positions
+        assert a.tokens(f"w{i}") == b.tokens(f"w{i}")
+        assert [e.logprob for e in a.events[(f"w{i}", 0)]] == pytest.approx(
+            [e.logprob for e in b.events[(f"w{i}", 0)]], abs=1e-5)
+    with pytest.raises(InvalidRequest, match="prompt"):
+        small.new_request(greedy("long", srcs[0] * (width // len(srcs[0]) + 1), 4))
+    from service.runtime.bundle import BundleError
+
+    with pytest.raises(BundleError, match="encoder-decoders"):
+        Engine(EngineConfig(bundle=engine_bundle, max_source_tokens=8, threads=1))
