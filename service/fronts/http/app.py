@@ -229,8 +229,7 @@ class HttpFront:
             renames["constraint"] = asked_by  # the engine's errors about it, named as the body names it
         fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "constraint": constraint,
                   "beam": body.beam()}
-        renames = {**renames, "beam.width": "best_of", "beam.length_penalty": "length_penalty",
-                   "beam.early_stopping": "early_stopping"}
+        renames = {**renames, "beam_width": "best_of", "beam_stopping": "early_stopping"}
         try:
             accepted = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
         except InvalidRequest as e:
