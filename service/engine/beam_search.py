@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine.sampler import log_partition
+
 NEGLIGIBLE = -1.0e9  # the score of a beam that does not exist yet (transformers' value)
 
 
@@ -63,7 +65,7 @@ class BeamSearch:
         # the k best that go on
         going = _top(np.where(ends, cand_scores + NEGLIGIBLE, cand_scores), k)
         # the candidates that end among the first k become hypotheses, if they may still count
-        if not (self.early_stopping is True and len(self.finished) == k and self._all_finished()) and self.improvable:
+        if self.improvable and not (self.early_stopping is True and self._all_finished()):
             normalised = cand_scores / np.float32(length ** self.length_penalty)
             for rank in range(k):
                 if ends[rank]:
@@ -99,11 +101,6 @@ class BeamSearch:
 
     def best(self, n: int) -> list[Hypothesis]:
         return self.finished[:n]
-
-
-def log_partition(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=1)
-    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

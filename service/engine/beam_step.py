@@ -63,7 +63,7 @@ class BeamStep:
         order = sorted(holder, key=holder.get)  # next beam held by sequence 0, 1, ...
         state.beam.reorder(order)
         for i, j in enumerate(order):
-            seqs[i].output_ids = list(state.beam.running[i])
+            seqs[i].output_ids = state.beam.running[i]  # a new list each step, never appended to
             scheduler.feed(seqs[i], tokens[j])
         if state.first_token_at is None:
             state.first_token_at = time.monotonic()

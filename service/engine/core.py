@@ -351,9 +351,7 @@ class Engine:
         seqs = ran.seqs
         if not seqs:
             return out
-        logits = ran.logits
-        if self.sampleable < logits.shape[1]:
-            logits[:, self.sampleable:] = -np.inf
+        logits = self.only_sampleable(ran.logits)
         beams = [i for i, seq in enumerate(seqs) if seq.request_state.beam is not None]
         if beams:  # beam search requests choose their tokens together, the others are sampled
             out = out + self.beams.update([seqs[i] for i in beams], logits[beams])
@@ -369,6 +367,12 @@ class Engine:
             out += self.output.update(seq, tokens[i], logprob, result.top(i, seq.request.top_logprobs), now)
         self.count_tokens(len(seqs))
         return out
+
+    def only_sampleable(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` (the vocabulary on the last axis) with the ids past `sampleable` at -inf, in place."""
+        if self.sampleable < logits.shape[-1]:
+            logits[..., self.sampleable:] = -np.inf
+        return logits
 
     def masks_of(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, allowed tokens) of the constrained rows among `seqs`."""

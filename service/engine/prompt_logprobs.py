@@ -6,7 +6,7 @@ already computes at every prompt position, for the requests that ask (`Generatio
 
 Position i's logits give token i + 1's logprob, so a chunk scores the tokens after each of its positions
 that lie inside the prompt (the last position's logits give the first generated token instead). The first
-prompt token has none: its entry is `FIRST`. Like the generated tokens' logprobs (`sampler._with_logprobs`),
+prompt token has none: its entry is `FIRST`. Like the generated tokens' logprobs (`sampler.with_logprobs`),
 they are the log-softmax of the raw logits over the ids the model can emit (`sampleable`: not a padded
 vocabulary's ids past the tokenizer's), and the k alternatives are the most likely of those, most likely first.
 """

@@ -274,10 +274,10 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n
             tokens[batch.greedy] = adjusted[batch.greedy].argmax(axis=1)
         u = np.array([states[i].rng.random() for i in batch.sampled])
         tokens[batch.sampled] = sample_rows(adjusted[batch.sampled], batch, u)
-    return _with_logprobs(logits, tokens, batch.logprob_rows, max(top_n, batch.top_n))
+    return with_logprobs(logits, tokens, batch.logprob_rows, max(top_n, batch.top_n))
 
 
-def _with_logprobs(logits: np.ndarray, tokens: np.ndarray, rows: np.ndarray, top_n: int) -> SampleOutput:
+def with_logprobs(logits: np.ndarray, tokens: np.ndarray, rows: np.ndarray, top_n: int) -> SampleOutput:
     """The chosen tokens' logprobs (and the top-N) under the raw logits, for `rows` only."""
     logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
     if not rows.size:

@@ -44,7 +44,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matcher: Any = None  # the llguidance matcher of a constrained request, advanced with each token
-    speculation: Speculation = field(default_factory=Speculation)  # its drafts so far (speculative decoding)
+    speculation: Speculation | None = None  # its drafts so far, once it speculates
 
     @property
     def request(self) -> GenerationRequest:

@@ -41,21 +41,19 @@ ACCEPTANCE_MEMORY = 0.7  # weight of the previous estimate in each update (the r
 
 @dataclass
 class Speculation:
-    """One sequence's speculative decoding so far (its usage block reports them)."""
+    """One sequence's speculative decoding: its estimate of the share of its drafts the target keeps, and
+    its prompt lookup. Made at the sequence's first speculative step."""
 
-    acceptance: float = FIRST_ACCEPTANCE
-    proposed: int = 0  # drafts checked by the target
-    accepted: int = 0  # of them, kept
-    calls: int = 0  # target calls that gave this sequence tokens
-    index: NgramIndex | None = None  # its prompt lookup, built at its first proposal
-    started: bool = False  # its acceptance was set from the engine's at its first decode step
+    acceptance: float
+    index: NgramIndex
 
     def record(self, proposed: int, kept: int) -> None:
-        self.calls += 1
-        if proposed:
-            self.proposed += proposed
-            self.accepted += kept
-            self.acceptance = ACCEPTANCE_MEMORY * self.acceptance + (1 - ACCEPTANCE_MEMORY) * kept / proposed
+        self.acceptance = averaged(self.acceptance, kept / proposed)
+
+
+def averaged(estimate: float, share: float) -> float:
+    """An acceptance estimate after one more step's share of kept drafts (an exponential average)."""
+    return ACCEPTANCE_MEMORY * estimate + (1 - ACCEPTANCE_MEMORY) * share
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -26,14 +26,15 @@ import numpy as np
 
 from service.engine.grammar import allowed
 from service.engine.request import TokenEvent
-from service.engine.sampler import SamplingBatch, log_partition, most_likely, sample
+from service.engine.sampler import SamplingBatch, sample, with_logprobs
 from service.engine.sequence import Sequence, Status
 from service.engine.speculative import (
-    ACCEPTANCE_MEMORY,
     FIRST_ACCEPTANCE,
     NgramIndex,
+    Speculation,
     Verdict,
     accept,
+    averaged,
     expected_tokens,
 )
 
@@ -95,14 +96,18 @@ class SpeculativeStep:
             self._sat_out[n] = self._sat_out.get(n, 0) + 1
             if self._sat_out[n] < self._patience.get(n, self.trial_every):
                 return {}
+        plain_rate = n / self._decode_seconds(n)
+        # even every row keeping every draft would not beat a plain decode at this width: nothing to propose
+        if max((1 + k) / t for k, t in enumerate(self.verify_seconds) if k) <= plain_rate:
+            return {}
         alone = np.concatenate([[self.decode_seconds[1]], self.verify_seconds[1:]])  # one row, by drafts
         drafts: dict[int, list[int]] = {}
         for i, seq in enumerate(decode):
             if seq.status is not Status.DECODING or not seq.request.speculative:
                 continue
-            if not seq.speculation.started:  # its first step: it starts from the engine's recent acceptance
-                seq.speculation.started = True
-                seq.speculation.acceptance = self.acceptance
+            if seq.speculation is None:  # its first step: it starts from the engine's recent acceptance
+                seq.speculation = Speculation(self.acceptance, NgramIndex())
+                seq.speculation.index.extend(seq.request_state.prompt)
             a = seq.speculation.acceptance
             best = int(np.argmax([expected_tokens(a, k) / t for k, t in enumerate(alone)]))
             k = min(best, self._room(seq))
@@ -116,7 +121,7 @@ class SpeculativeStep:
         if len(drafts) < n:
             seconds += self._decode_seconds(n)
         tokens = n + sum(expected_tokens(decode[i].speculation.acceptance, len(d)) - 1 for i, d in drafts.items())
-        if tokens / seconds <= n / self._decode_seconds(n):
+        if tokens / seconds <= plain_rate:
             return {}
         self._sat_out[n] = 0
         return drafts
@@ -126,11 +131,8 @@ class SpeculativeStep:
         tokens per second update the measured rate of its kind."""
         started = time.perf_counter()
         drafts = self.plan(decode)
-        if drafts:
-            out = self.run(decode, drafts)
-        else:
-            self.count_plain(decode)
-            out = self.engine.plain_decode(decode)
+        self.calls += 1
+        out = self.run(decode, drafts) if drafts else self.engine.plain_decode(decode)
         tokens = sum(isinstance(item, TokenEvent) for _, item in out)
         rate = tokens / max(time.perf_counter() - started, 1e-9)
         n = len(decode)
@@ -156,9 +158,6 @@ class SpeculativeStep:
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         index = seq.speculation.index
-        if index is None:
-            index = seq.speculation.index = NgramIndex()
-            index.extend(seq.request_state.prompt)
         index.extend(seq.output_ids[len(index.history) - seq.prompt_len:])  # the last is the one fed now
         drafts = index.propose(k)
         if drafts and seq.matcher is not None:  # only what the grammar allows is worth checking
@@ -168,13 +167,6 @@ class SpeculativeStep:
         return drafts
 
     # ---- the step --------------------------------------------------------------------------------
-
-    def count_plain(self, decode: list[Sequence]) -> None:
-        """A plain decode step gives each decoding row one token from one call."""
-        self.calls += 1
-        for seq in decode:
-            if seq.status is Status.DECODING:
-                seq.speculation.calls += 1
 
     def run(self, decode: list[Sequence], drafts: dict[int, list[int]]) -> list:
         """Verify `drafts` (row -> ids) of the decode rows [0, n), a call per row, and decode the others in
@@ -187,9 +179,9 @@ class SpeculativeStep:
         try:
             if len(drafts) < n:  # every row writes its fed token; the verifications below overwrite theirs
                 first = e.runner.decode(ids, starts)
-                logits = {i: first[i][None].copy() for i in range(n) if i not in drafts}
+                logits = {i: e.only_sampleable(first[i][None].copy()) for i in range(n) if i not in drafts}
             for i, d in drafts.items():
-                logits[i] = e.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i]))
+                logits[i] = e.only_sampleable(e.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i])))
         except Exception as err:
             return e.fail_decode(decode, err)
         live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
@@ -197,18 +189,17 @@ class SpeculativeStep:
         e.scheduler.verified(n, {i: v.kept for i, v in verdicts.items()})
         out = []
         now = time.monotonic()
-        self.calls += 1
         for i, verdict in verdicts.items():
             seq = decode[i]
-            seq.speculation.record(len(drafts.get(i, [])), verdict.kept)
             if i in drafts:
-                self.acceptance = ACCEPTANCE_MEMORY * self.acceptance + (1 - ACCEPTANCE_MEMORY) * verdict.kept / len(
-                    drafts[i])
-            self.proposed += len(drafts.get(i, []))
-            self.accepted += verdict.kept
+                seq.speculation.record(len(drafts[i]), verdict.kept)
+                self.acceptance = averaged(self.acceptance, verdict.kept / len(drafts[i]))
+                self.proposed += len(drafts[i])
+                self.accepted += verdict.kept
+            scored = self._logprobs(logits[i][:len(verdict.tokens)], verdict.tokens, seq)
             for j, token in enumerate(verdict.tokens):
-                logprob, top = self._logprob(logits[i][j], token, seq)
-                out += e.output.update(seq, token, logprob, top, now)
+                logprob = None if scored.logprobs[j] != scored.logprobs[j] else float(scored.logprobs[j])  # NaN: none
+                out += e.output.update(seq, token, logprob, scored.top(j, seq.request.top_logprobs), now)
                 self.tokens += 1
                 e.count_tokens(1)
                 if seq.status is Status.FINISHED or seq.request_state.done:
@@ -223,18 +214,13 @@ class SpeculativeStep:
         if plain:  # no drafts: the sampler, exactly as a plain decode step
             seqs = [decode[i] for i in plain]
             first = np.stack([logits[i][0] for i in plain]).astype(np.float32)
-            if e.sampleable < first.shape[1]:
-                first[:, e.sampleable:] = -np.inf
             result = sample(first, SamplingBatch([s.sampling for s in seqs]), masks=e.masks_of(seqs))
             for i, token in zip(plain, result.tokens.tolist(), strict=True):
                 verdicts[i] = Verdict([token], 0)
         for i in live:
             if i in drafts:
                 seq, d = decode[i], drafts[i]
-                rows = np.array(logits[i][:len(d) + 1], dtype=np.float32)
-                if e.sampleable < rows.shape[1]:
-                    rows[:, e.sampleable:] = -np.inf
-                verdicts[i] = accept(rows, d, seq.sampling, self._draft_masks(seq, d))
+                verdicts[i] = accept(logits[i][:len(d) + 1], d, seq.sampling, self._draft_masks(seq, d))
         return dict(sorted(verdicts.items()))
 
     def _draft_masks(self, seq: Sequence, drafts: list[int]) -> np.ndarray | None:
@@ -250,18 +236,12 @@ class SpeculativeStep:
         m.rollback(len(drafts))
         return allowed(np.concatenate(bits), self.engine.model.vocab_size)
 
-    def _logprob(self, row: np.ndarray, token: int, seq: Sequence) -> tuple[float | None, list | None]:
-        """The model's own logprob of `token` at this position (and the top alternatives), if asked for."""
+    @staticmethod
+    def _logprobs(rows: np.ndarray, tokens: list[int], seq: Sequence):
+        """The model's own logprobs of the row's emitted `tokens` (and alternatives), as the sampler reports them."""
         s = seq.sampling
-        if not (s.want_logprobs or s.top_logprobs):
-            return None, None
-        x = row[None].astype(np.float32)
-        lse = log_partition(x)
-        logprob = float(x[0, token] - lse[0])
-        if not s.top_logprobs:
-            return logprob, None
-        ids, lps = most_likely(x, lse, s.top_logprobs)
-        return logprob, list(zip(ids[0].tolist(), lps[0].tolist(), strict=True))
+        asked = np.arange(len(tokens)) if s.want_logprobs or s.top_logprobs else np.arange(0)
+        return with_logprobs(rows.astype(np.float32), np.array(tokens), asked, s.top_logprobs)
 
 
 def _median_seconds(call, rounds: int = CALIBRATION_ROUNDS) -> float:

@@ -10,7 +10,7 @@ import pytest
 
 from service.engine.request import Constraint, GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.sampler import SamplingState
-from service.engine.speculative import NgramIndex, accept, expected_tokens
+from service.engine.speculative import NgramIndex, Speculation, accept, expected_tokens
 from tests.engine.harness import drive, greedy, random_prompt, sampled
 
 # ---- the proposer and the rule ---------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_the_policy_speculates_where_the_call_times_and_the_measured_rates_say_i
     decode = engine.scheduler.schedule().decode
     spec.decode_seconds = {1: 1.0, 2: 1.0}
     spec.verify_seconds = np.array([0.0, 1.1, 1.2, 1.3, 1.4])
-    decode[0].speculation.acceptance = 0.9
+    decode[0].speculation = Speculation(0.9, NgramIndex())
     assert len(spec.plan(decode)[0]) >= 1  # 4.1 tokens expected from a call of 1.4: worth it
     decode[0].speculation.acceptance = 0.05
     assert spec.plan(decode) == {}  # 1.05 tokens from a call of 1.1: not

@@ -134,7 +134,7 @@ class ResponseBuilder:
         return {i: ("".join(d), lp) for i, (d, lp) in touched.items()}
 
     def scored(self, choice: dict[str, Any], c: Choice) -> dict[str, Any]:
-        """`choice` with the beam search score of `c` (vLLM's field), when it has one."""
+        """`choice` with the beam search score of `c`, once it has one (an attnserve field)."""
         return choice if c.beam_score is None else {**choice, "beam_score": c.beam_score}
 
     def add(self, stream_index: int, events: list[TokenEvent]) -> None:
@@ -206,7 +206,8 @@ class CompletionBuilder(ResponseBuilder):
             target["text_offset"].append(text_offset)
 
     def _chunk_choice(self, index: int, text: str, logprobs: dict | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": self.choices[index].finish_reason}
+        c = self.choices[index]
+        return self.scored({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}, c)
 
     def response(self) -> dict[str, Any]:
         choices = [self.scored({"index": c.index, "text": "".join(c.text),
@@ -258,8 +259,9 @@ class ChatBuilder(ResponseBuilder):
                 finish_reason = "tool_calls"
             if not delta and logprobs is None and finish_reason is None:
                 return None
-        return {"index": index, "delta": delta,
-                "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish_reason}
+        return self.scored({"index": index, "delta": delta,
+                            "logprobs": {"content": logprobs} if logprobs is not None else None,
+                            "finish_reason": finish_reason}, self.choices[index])
 
     def _delta(self, index: int, piece: ParsedMessage) -> dict[str, Any]:
         """A piece of a message as OpenAI streams it: its content, and its calls numbered from the choice's first."""
