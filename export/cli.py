@@ -50,26 +50,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_encoder_decoder(args: argparse.Namespace) -> int:
-    """An encoder-decoder model directory: its encoder and decoder graphs, fp32 (no other variant yet)."""
+    """An encoder-decoder model directory: its fp32 encoder and decoder graphs, and with --int8 their INT8 pair."""
     from export.seq2seq_bundle import export_seq2seq_bundle
 
-    asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8", args.int8),
-                                   ("--int8-per-tensor", args.int8_per_tensor), ("--int4", args.int4),
-                                   ("--fp16", args.fp16)) if on]
+    asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8-per-tensor", args.int8_per_tensor),
+                                   ("--int4", args.int4), ("--fp16", args.fp16)) if on]
     if asked or args.default != "static":
         print(f"attnserve export: {args.model_dir} is an encoder-decoder model, exported as its fp32 encoder and "
-              f"decoder graphs; {' '.join(asked) or '--default'} applies to decoder-only models", file=sys.stderr)
+              f"decoder graphs (and with --int8 their INT8 pair); {' '.join(asked) or '--default'} applies to "
+              "decoder-only models", file=sys.stderr)
         return 2
-    for file in export_seq2seq_bundle(args.model_dir, args.out, name=args.name):
+    for file in export_seq2seq_bundle(args.model_dir, args.out, name=args.name, int8=args.int8):
         print(f"wrote {args.out / file} ({node_count(args.out / file)} nodes)")
     if not args.verify:
         return 0
-    from export.verify_seq2seq import verify_seq2seq
+    from export.verify_seq2seq import verify_int8_pair, verify_seq2seq
 
     model, _ = load_seq2seq_dir(args.model_dir)
     report = verify_seq2seq(model, args.out, tol=args.tol)
     print(report.format())
-    return 0 if report.passed else 1
+    ok = report.passed
+    if args.int8:
+        report = verify_int8_pair(args.out)
+        print(report.format())
+        ok &= report.passed
+    return 0 if ok else 1
 
 
 @known_warnings_silenced()

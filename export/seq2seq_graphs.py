@@ -7,8 +7,7 @@ self-attention cache, which it updates in place as the decoder-only serving grap
 
     encoder  inputs   input_ids               int64 [batch, src_seq]
                       attention_mask          int64 [batch, src_seq]      1 = real token, 0 = padding
-             outputs  cross.{i}.key           float [batch, heads, d_head, src_seq]   (keys transposed)
-                      cross.{i}.value         float [batch, heads, src_seq, d_head]
+             outputs  cross.{i}.key / .value  float [batch, heads, src_seq, d_head]
 
     decoder  inputs   input_ids, position_ids int64 [batch, seq]
                       seqlens_k               int32 [batch]   each row's target length after this step, minus 1
@@ -19,11 +18,12 @@ self-attention cache, which it updates in place as the decoder-only serving grap
              outputs  logits                  float [batch, seq, vocab]
                       present.{i}.key / .value              float [batch, heads, max_seq, d_head]
 
-Cross-attention is plain ONNX ops: softmax(Q·Kᵀ/√d + bias)·V, the bias -1e9 at padded source
-positions (exp underflows to exactly 0: a padded position gets zero weight). Keys are stored
-transposed, [d_head, src_seq], so a step multiplies by them without transposing the cache. The
-residual sums and norms are plain Add and LayerNormalization, which onnxruntime fuses when it loads
-the graph.
+Attention is onnxruntime's fused operators throughout: the encoder's self-attention is `Attention`
+(the query, key and value projections and the attention in one op), the decoder's cross-attention
+`MultiHeadAttention` over the source's keys and values as the encoder laid them out, with the source
+mask as its key padding mask (a padded position gets exactly zero weight). The encoder projects the
+source into every decoder layer's keys and values with one MatMul and splits them. Each residual sum
+and the norm after (post-LN) or before the next sublayer (pre-LN) is one `SkipLayerNormalization`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from export.static_cache_graph import MS_DOMAIN, STATIC_OPSET, GraphBuilder
 from model.seq2seq import EncoderDecoder
 from service.runtime.bundle import cross_kv_names, self_kv_names
 
-MASKED = -1e9  # the attention bias of a padded source position
-
 
 class Seq2SeqBuilder(GraphBuilder):
     def __init__(self, model: EncoderDecoder):
@@ -54,80 +52,100 @@ class Seq2SeqBuilder(GraphBuilder):
         super().__init__(weights)
         self.H, self.D = c.n_head, c.d_head
         self.pre = c.norm_placement == "pre"
+        self.eps = c.layer_norm_eps
         self.scale = model.embed_scale
 
     def layer_norm(self, x: str, prefix: str, out: str) -> str:
-        return self.norm(x, prefix, rms=False, eps=self.config.layer_norm_eps, out=out)
+        return self.norm(x, prefix, rms=False, eps=self.eps, out=out)
 
     def embed(self, ids: str, positions: str, side: str) -> str:
-        """Token embedding × scale + position embedding (+ the embedding norm). `positions` is a (seq, d)
-        slice (encoder) or a Gather at position_ids (decoder)."""
+        """Token embedding × scale + position embedding (+ the embedding norm, fused with the sum).
+        `positions` is a (seq, d) slice (encoder) or a Gather at position_ids (decoder)."""
         table = "tok_emb.weight" if side == "enc" or self.config.share_embeddings else "dec_tok_emb.weight"
         x = self.node("Gather", [self.param(table), ids], [f"{side}_tok"])
         if self.scale != 1.0:
             x = self.node("Mul", [x, self.const(f"{side}_scale", np.array(self.scale, np.float32))], [f"{side}_scaled"])
-        x = self.node("Add", [x, positions], [f"{side}_x"])
-        if self.config.embedding_norm:
-            x = self.layer_norm(x, f"{side}_emb_norm", f"{side}_x_norm")
-        return x
+        if not self.config.embedding_norm:
+            return self.node("Add", [x, positions], [f"{side}_x"])
+        return self.residual(x, positions, None, f"{side}_emb_norm", f"{side}_x")[0]
 
-    def heads(self, x: str, perm: list[int], out: str) -> str:
-        """(B, T, H·D) -> (B, H, T, D) with perm [0, 2, 1, 3], or keys (B, H, D, T) with [0, 2, 3, 1]."""
-        split = self.node("Reshape", [x, self.const(f"{out}_shape", np.array([0, 0, self.H, self.D], np.int64))],
-                          [f"{out}_split"])
-        return self.node("Transpose", [split], [out], perm=perm)
+    def residual(self, branch: str, x: str, bias: str | None, norm: str, out: str) -> tuple[str, str]:
+        """(Norm(x + branch + bias), x + branch + bias) in one SkipLayerNormalization."""
+        return self.skip_norm(branch, x, bias or "", norm, rms=False, eps=self.eps, out=out, sum_out=f"{out}_sum")
 
-    def attend(self, q: str, k_t: str, v: str, bias: str | None, prefix: str, out: str) -> str:
-        """softmax(q·k_t/√d + bias)·v, heads merged, then W_O (+ b_O): q (B, H, T, D), k_t (B, H, D, S)."""
-        scores = self.node("MatMul", [q, k_t], [f"{out}_qk"])
-        scores = self.node("Mul", [scores, self.const(f"{out}_scale", np.array(1 / math.sqrt(self.D), np.float32))],
-                           [f"{out}_scaled"])
-        if bias is not None:
-            scores = self.node("Add", [scores, bias], [f"{out}_biased"])
-        weights = self.node("Softmax", [scores], [f"{out}_w"], axis=-1)
-        y = self.node("Transpose", [self.node("MatMul", [weights, v], [f"{out}_wv"])], [f"{out}_t"], perm=[0, 2, 1, 3])
-        y = self.node("Reshape", [y, self.const(f"{out}_merge", np.array([0, 0, -1], np.int64))], [f"{out}_merged"])
-        return self.linear(y, f"{prefix}.out_proj", out)
+    def sublayer(self, x: str, h: str, prefix: str, branch, norm: str, next_norm: str, name: str
+                 ) -> tuple[str, str]:
+        """One residual sublayer: returns (the next sublayer's input h, the residual stream x).
 
-    def qkv_heads(self, x: str, prefix: str, part: str, out: str) -> str:
-        """The queries ("q"), keys ("k") or values ("v") of x through `prefix`'s fused qkv_proj, as heads:
-        (B, H, T, D), keys transposed to (B, H, D, T) for the attention's MatMul."""
-        d = self.config.d_model
-        rows = slice("qkv".index(part) * d, ("qkv".index(part) + 1) * d)
-        w = self.weights[f"{prefix}.qkv_proj.weight"][rows]
-        y = self.node("MatMul", [x, self.const(f"{out}_w", np.ascontiguousarray(w.T))], [f"{out}_mm"])
-        b = self.weights.get(f"{prefix}.qkv_proj.bias")
-        if b is not None:
-            y = self.node("Add", [y, self.const(f"{out}_b", b[rows])], [f"{out}_proj"])
-        return self.heads(y, [0, 2, 3, 1] if part == "k" else [0, 2, 1, 3], out)
+        Post-LN: x' = norm(x + F(x)) and h' = x'. Pre-LN: x' = x + F(h) and h' = next_norm(x'), the next
+        sublayer's norm or the stack's final one. F returns its output before its last bias,
+        `prefix`.bias, which the fused sum adds."""
+        y = branch(h)
+        if self.pre:
+            return self.residual(y, x, f"{prefix}.bias", next_norm, name)
+        out = self.residual(y, x, f"{prefix}.bias", norm, name)[0]
+        return out, out
 
-    def sublayer(self, x: str, prefix: str, norm: int, branch, name: str) -> str:
-        """Post-LN: Norm(x + F(x)); pre-LN: x + F(Norm(x))."""
-        h = self.layer_norm(x, f"{prefix}.norms.{norm}", f"{name}_in") if self.pre else x
-        y = self.node("Add", [x, branch(h)], [f"{name}_sum"])
-        return y if self.pre else self.layer_norm(y, f"{prefix}.norms.{norm}", f"{name}_out")
+    def matmul(self, x: str, prefix: str, out: str) -> str:
+        """x @ Wᵀ, the bias left to the caller."""
+        return self.node("MatMul", [x, self.param(f"{prefix}.weight", transpose=True)], [out])
 
     def feed_forward(self, h: str, prefix: str, name: str) -> str:
+        """The feed-forward layer up to fc_out's bias."""
         f = self.linear(h, f"{prefix}.ffn.fc_in", f"{name}_in")
         act = self.config.activation
         if act == "relu":
             f = self.node("Relu", [f], [f"{name}_act"])
         else:  # onnxruntime's GELUs: opset 17 has none
             f = self.node("FastGelu" if act == "gelu_tanh" else "Gelu", [f], [f"{name}_act"], domain=MS_DOMAIN)
-        return self.linear(f, f"{prefix}.ffn.fc_out", name)
+        return self.matmul(f, f"{prefix}.ffn.fc_out", f"{name}_out")
 
-    def source_bias(self, mask: str, name: str) -> str:
-        """(B, S) int64 mask -> (B, 1, 1, S) float bias: 0 at real tokens, MASKED at padding."""
-        m = self.node("Cast", [mask], [f"{name}_f"], to=TensorProto.FLOAT)
-        b = self.node("Mul", [self.node("Sub", [m, self.const(f"{name}_one", np.array(1, np.float32))], [f"{name}_m1"]),
-                              self.const(f"{name}_big", np.array(-MASKED, np.float32))], [f"{name}_b"])
-        return self.node("Unsqueeze", [b, self.const(f"{name}_axes", np.array([1, 2], np.int64))], [name])
+    def self_attention(self, h: str, prefix: str, mask: str, name: str) -> str:
+        """The encoder's self-attention up to out_proj's bias: `Attention` projects q, k and v and attends."""
+        d = self.config.d_model
+        bias = self.param(f"{prefix}.qkv_proj.bias")
+        if bias is None:
+            bias = self.const(f"{prefix}.qkv_proj.zero_bias", np.zeros(3 * d, np.float32))
+        attn = self.node("Attention", [h, self.param(f"{prefix}.qkv_proj.weight", transpose=True), bias, mask],
+                         [f"{name}_attn"], domain=MS_DOMAIN, num_heads=self.H, scale=1.0 / math.sqrt(self.D))
+        return self.matmul(attn, f"{prefix}.out_proj", f"{name}_out")
+
+    def cross_attention(self, h: str, prefix: str, key: str, value: str, mask: str, name: str) -> str:
+        """The decoder's cross-attention up to out_proj's bias: the query projection, then
+        `MultiHeadAttention` over the source's keys and values (batch, heads, src, d_head)."""
+        d = self.config.d_model
+        q = self.node("MatMul", [h, self.const(f"{prefix}.q_w", np.ascontiguousarray(
+            self.weights[f"{prefix}.qkv_proj.weight"][:d].T))], [f"{name}_q_mm"])
+        b = self.weights.get(f"{prefix}.qkv_proj.bias")
+        if b is not None:
+            q = self.node("Add", [q, self.const(f"{prefix}.q_b", b[:d])], [f"{name}_q"])
+        attn = self.node("MultiHeadAttention", [q, key, value, "", mask], [f"{name}_attn"], domain=MS_DOMAIN,
+                         num_heads=self.H, scale=1.0 / math.sqrt(self.D))
+        return self.matmul(attn, f"{prefix}.out_proj", f"{name}_out")
+
+    def cross_keys_values(self, memory: str, names: list[str]) -> None:
+        """Every decoder layer's cross-attention keys and values of `memory` in one MatMul, split by layer into
+        (batch, heads, src_seq, d_head)."""
+        c, d = self.config, self.config.d_model
+        rows = [self.weights[f"decoder.{i}.cross_attn.qkv_proj.weight"][d:] for i in range(c.n_decoder_layer)]
+        y = self.node("MatMul", [memory, self.const("cross_kv_w", np.ascontiguousarray(np.concatenate(rows).T))],
+                      ["cross_kv_mm"])
+        if f"decoder.0.cross_attn.qkv_proj.bias" in self.weights:
+            b = np.concatenate([self.weights[f"decoder.{i}.cross_attn.qkv_proj.bias"][d:]
+                                for i in range(c.n_decoder_layer)])
+            y = self.node("Add", [y, self.const("cross_kv_b", b)], ["cross_kv"])
+        heads = 2 * c.n_decoder_layer * self.H
+        split = self.node("Reshape", [y, self.const("cross_kv_shape", np.array([0, 0, heads, self.D], np.int64))],
+                          ["cross_kv_heads"])
+        t = self.node("Transpose", [split], ["cross_kv_t"], perm=[0, 2, 1, 3])
+        self.node("Split", [t, self.const("cross_kv_split", np.array([self.H] * len(names), np.int64))], names, axis=1)
+
+    def source_mask(self, mask: str, name: str) -> str:
+        """The int64 source mask as the int32 the attention operators take."""
+        return self.node("Cast", [mask], [name], to=TensorProto.INT32)
 
     def logits(self, x: str) -> None:
         c = self.config
-        if self.pre:
-            x = self.layer_norm(x, "dec_norm", "dec_final")
-        # the state dict holds the head tied or not: tied, it is the decoder's embedding again
         y = self.node("MatMul", [x, self.param("lm_head.weight", transpose=True)],
                       ["logits" if not c.final_logits_bias else "logits_mm"])
         if c.final_logits_bias:
@@ -151,26 +169,19 @@ def build_encoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
     positions = b.node("Slice", [b.param("enc_pos_emb.weight"), b.const("zero_start", np.array([0], np.int64)), end],
                        ["enc_positions"])  # rows 0 .. src_seq - 1 of the table
     x = b.embed("input_ids", positions, "enc")
-    bias = b.source_bias("attention_mask", "src_bias")
+    mask = b.source_mask("attention_mask", "src_mask")
+    h = b.layer_norm(x, "encoder.0.norms.0", "e0_in") if b.pre else x
     for i in range(c.n_encoder_layer):
         p = f"encoder.{i}"
-
-        def self_attention(h: str, p=p, i=i) -> str:
-            q, k, v = (b.qkv_heads(h, f"{p}.self_attn", part, f"e{i}_{part}h") for part in "qkv")
-            return b.attend(q, k, v, bias, f"{p}.self_attn", f"e{i}_attn")
-
-        x = b.sublayer(x, p, 0, self_attention, f"e{i}_a")
-        x = b.sublayer(x, p, 1, lambda h, p=p, i=i: b.feed_forward(h, p, f"e{i}_ff"), f"e{i}_f")
-    if b.pre:
-        x = b.layer_norm(x, "enc_norm", "memory")
-    for i in range(c.n_decoder_layer):  # every decoder layer's keys (transposed) and values of the source
-        p = f"decoder.{i}.cross_attn"
-        b.qkv_heads(x, p, "k", cross_out[2 * i])
-        b.qkv_heads(x, p, "v", cross_out[2 * i + 1])
+        after = f"encoder.{i + 1}.norms.0" if i + 1 < c.n_encoder_layer else "enc_norm"
+        h, x = b.sublayer(x, h, f"{p}.self_attn.out_proj", lambda h, p=p, i=i: b.self_attention(
+            h, f"{p}.self_attn", mask, f"e{i}_a"), f"{p}.norms.0", f"{p}.norms.1", f"e{i}_a")
+        h, x = b.sublayer(x, h, f"{p}.ffn.fc_out", lambda h, p=p, i=i: b.feed_forward(h, p, f"e{i}_ff"),
+                          f"{p}.norms.1", after, f"e{i}_f")
+    b.cross_keys_values(h, cross_out)  # pre-LN: h is enc_norm(x), the memory; post-LN: h is x
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "src_seq"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "src_seq"])]
-    key, value = ["batch", b.H, b.D, "src_seq"], ["batch", b.H, "src_seq", b.D]
-    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, value if name.endswith("value") else key)
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", b.H, "src_seq", b.D])
                for name in cross_out]
     return finish(b, "attnserve_encoder", inputs, outputs)
 
@@ -183,9 +194,11 @@ def build_decoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
     cross_in = cross_kv_names(c.n_decoder_layer)
     positions = b.node("Gather", [b.param("dec_pos_emb.weight"), "position_ids"], ["dec_positions"])
     x = b.embed("input_ids", positions, "dec")
-    bias = b.source_bias("encoder_attention_mask", "cross_bias")
+    mask = b.source_mask("encoder_attention_mask", "cross_mask")
+    h = b.layer_norm(x, "decoder.0.norms.0", "d0_in") if b.pre else x
     for i in range(c.n_decoder_layer):
         p = f"decoder.{i}"
+        after = f"decoder.{i + 1}.norms.0" if i + 1 < c.n_decoder_layer else "dec_norm"
 
         def self_attention(h: str, p=p, i=i) -> str:
             qkv = b.linear(h, f"{p}.self_attn.qkv_proj", f"d{i}_qkv")
@@ -193,25 +206,22 @@ def build_decoder_graph(model: EncoderDecoder) -> onnx.ModelProto:
                           [qkv, "", "", self_in[2 * i], self_in[2 * i + 1], "seqlens_k", "total_sequence_length"],
                           [f"d{i}_sa", self_out[2 * i], self_out[2 * i + 1]], domain=MS_DOMAIN,
                           num_heads=H, kv_num_heads=H, scale=1.0 / math.sqrt(D))
-            return b.linear(attn, f"{p}.self_attn.out_proj", f"d{i}_sa_out")
+            return b.matmul(attn, f"{p}.self_attn.out_proj", f"d{i}_sa_out")
 
-        def cross_attention(h: str, p=p, i=i) -> str:
-            q = b.qkv_heads(h, f"{p}.cross_attn", "q", f"d{i}_cqh")
-            return b.attend(q, cross_in[2 * i], cross_in[2 * i + 1], bias, f"{p}.cross_attn", f"d{i}_ca")
-
-        x = b.sublayer(x, p, 0, self_attention, f"d{i}_a")
-        x = b.sublayer(x, p, 1, cross_attention, f"d{i}_c")
-        x = b.sublayer(x, p, 2, lambda h, p=p, i=i: b.feed_forward(h, p, f"d{i}_ff"), f"d{i}_f")
-    b.logits(x)
+        h, x = b.sublayer(x, h, f"{p}.self_attn.out_proj", self_attention, f"{p}.norms.0", f"{p}.norms.1", f"d{i}_a")
+        h, x = b.sublayer(x, h, f"{p}.cross_attn.out_proj", lambda h, p=p, i=i: b.cross_attention(
+            h, f"{p}.cross_attn", cross_in[2 * i], cross_in[2 * i + 1], mask, f"d{i}_c"),
+            f"{p}.norms.1", f"{p}.norms.2", f"d{i}_c")
+        h, x = b.sublayer(x, h, f"{p}.ffn.fc_out", lambda h, p=p, i=i: b.feed_forward(h, p, f"d{i}_ff"),
+                          f"{p}.norms.2", after, f"d{i}_f")
+    b.logits(h)
     cache = ["batch", H, "max_seq", D]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in self_in]
-    for i in range(c.n_decoder_layer):
-        inputs += [helper.make_tensor_value_info(cross_in[2 * i], TensorProto.FLOAT, ["batch", H, D, "max_src"]),
-                   helper.make_tensor_value_info(cross_in[2 * i + 1], TensorProto.FLOAT, ["batch", H, "max_src", D])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", H, "max_src", D]) for n in cross_in]
     inputs.append(helper.make_tensor_value_info("encoder_attention_mask", TensorProto.INT64, ["batch", "max_src"]))
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", c.vocab_size])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in self_out]

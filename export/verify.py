@@ -9,6 +9,7 @@ Plus `onnx.checker` on the graph. Logits must agree to `tol` (max |Δ|) and gree
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,8 @@ class Report:
         return all(c.passed for c in self.checks)
 
     def format(self) -> str:
-        lines = [f"verify {self.graph} (tolerance {self.tol:g}):"]
+        tolerance = f" (tolerance {self.tol:g})" if math.isfinite(self.tol) else ""  # nan: no logit tolerance
+        lines = [f"verify {self.graph}{tolerance}:"]
         for c in self.checks:
             lines.append(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:<10} max|Δlogits| = {c.max_abs_diff:.2e}"
                          f"{'  ' + c.detail if c.detail else ''}")

@@ -43,7 +43,8 @@ def verify_seq2seq(model: EncoderDecoder, bundle, tol: float = 1e-4, seed: int =
         for layer, (k, v) in enumerate(cross):
             key, value = runner.source_state[2 * layer], runner.source_state[2 * layer + 1]
             for row, n in enumerate(lengths):
-                diff = max(diff, float(np.abs(key[row, :, :, :n] - k[row, :, :n].transpose(-1, -2).numpy()).max()),
+                got = key[row, :, :, :n].swapaxes(-1, -2) if runner.keys_transposed else key[row, :, :n]
+                diff = max(diff, float(np.abs(got - k[row, :, :n].numpy()).max()),
                            float(np.abs(value[row, :, :n] - v[row, :, :n].numpy()).max()))
         report.checks.append(Check("encoder", diff, diff <= tol, f"sources of {lengths} tokens"))
         tgt_lengths = [steps, 3, 1]
@@ -71,4 +72,25 @@ def verify_seq2seq(model: EncoderDecoder, bundle, tol: float = 1e-4, seed: int =
     same = sum(a == b for a, b in zip(tokens, want_tokens, strict=True))
     report.checks.append(Check("greedy", 0.0, same == len(sources),
                                f"{same}/{len(sources)} sources decode to PyTorch's tokens"))
+    return report
+
+
+def verify_int8_pair(bundle) -> Report:
+    """The INT8 encoder and decoder against the fp32 pair on this CPU, as the start-up self-check measures
+    them (`service.runtime.seq2seq_check`): top-1 agreement on the probe's targets, and batch invariance."""
+    from export.seq2seq_bundle import INT8_GRAPH
+    from service.runtime.self_check import MIN_AGREEMENT
+    from service.runtime.seq2seq_check import agreement, batch_invariance, probe
+
+    reference = Seq2SeqRunner(bundle, "static", provider="cpu")
+    int8 = Seq2SeqRunner(bundle, INT8_GRAPH, provider="cpu")
+    p = probe(reference)
+    agreed = agreement(int8, reference, p)
+    invariance = batch_invariance(int8, p)
+    report = Report(graph=INT8_GRAPH, tol=float("nan"))
+    least = MIN_AGREEMENT["int8"]
+    report.checks.append(Check("agreement", agreed.max_abs_diff, agreed.top1 >= least,
+                               f"top-1 token as fp32's at {agreed.top1:.1%} of {agreed.positions} probe positions "
+                               f"(at least {least:.0%})"))
+    report.checks.append(Check("invariance", invariance.max_abs_diff, invariance.identical, invariance.describe()))
     return report

@@ -31,7 +31,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # fixtures that build a model with torch (directly or through another of them)
 TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
                             "llama_bundle", "plain_bundle", "wrong_int8_bundle", "per_tensor_bundle", "seq2seq_model_dir",
-                            "lively_seq2seq_bundle"})
+                            "lively_seq2seq_bundle", "lively_seq2seq_int8_bundle"})
 
 
 def pytest_addoption(parser):
@@ -256,6 +256,27 @@ def lively_seq2seq_bundle(tmp_path_factory, seq2seq_model_dir) -> Path:
     path = tmp_path_factory.mktemp("seq2seq_bundle")
     export_seq2seq_bundle(seq2seq_model_dir, path, name="tiny-seq2seq")
     return path
+
+
+@pytest.fixture(scope="session")
+def lively_seq2seq_int8_bundle(tmp_path_factory, seq2seq_model_dir) -> Path:
+    """The lively encoder-decoder with its INT8 pair, graph `static-int8`, beside the fp32 one."""
+    from export.seq2seq_bundle import export_seq2seq_bundle
+
+    path = tmp_path_factory.mktemp("seq2seq_int8_bundle")
+    export_seq2seq_bundle(seq2seq_model_dir, path, name="tiny-seq2seq", int8=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def seq2seq_int8_bundle(request) -> Path:
+    """An encoder-decoder bundle with graphs `static` and `static-int8`: the lively one, or in the serving
+    lane the shipped G2P bundle."""
+    if serving_bundle(request.config) is None:
+        return request.getfixturevalue("lively_seq2seq_int8_bundle")
+    if "static-int8" not in read_manifest(SHIPPED_G2P_BUNDLE).graphs:
+        pytest.skip(f"{SHIPPED_G2P_BUNDLE} has no 'static-int8' graph")
+    return SHIPPED_G2P_BUNDLE
 
 
 @pytest.fixture(scope="session")

@@ -264,6 +264,10 @@ class Engine:
         if batch.empty:
             return []
         out: list[Output] = []
+        if batch.new_prompts is not None and batch.decode and self._joins_decode(batch.new_prompts, batch.decode):
+            out += self._sample_and_update(self._encode_then_decode(batch.new_prompts, batch.decode))
+            self.steps += 1
+            return out
         if batch.new_prompts is not None:
             out += self._sample_and_update(self._run_prefill(batch.new_prompts))
             if emit is not None and out:
@@ -294,14 +298,17 @@ class Engine:
                 ran += self._run_prefill(one)
             return ran
 
-    def _prefill(self, work: PrefillWork) -> RunnerOutput:
-        """Write the prompts (or the chunk); returns a logits row for each sequence whose prompt is now
-        complete, the n > 1 siblings included."""
+    def _started(self, work: PrefillWork) -> None:
         now = time.monotonic()
         for seq in work.seqs:
             if seq.request_state.scheduled_at is None:
                 seq.request_state.scheduled_at = now
                 self._running_requests += 1
+
+    def _prefill(self, work: PrefillWork) -> RunnerOutput:
+        """Write the prompts (or the chunk); returns a logits row for each sequence whose prompt is now
+        complete, the n > 1 siblings included."""
+        self._started(work)
         first = work.seqs[0].slot
         states = [seq.request_state for seq in work.seqs]
         scoring = any(state.prompt_logprobs is not None for state in states)
@@ -318,6 +325,35 @@ class Engine:
             last = logits[np.arange(len(work.chunks)), [len(chunk) - 1 for chunk in work.chunks]]
         complete = self.scheduler.prefilled(work)
         return RunnerOutput([seq for _, seq in complete], last[[row for row, _ in complete]])
+
+    def _joins_decode(self, work: PrefillWork, decode: list[Sequence]) -> bool:
+        """Whether an encoder-decoder's new sources can join the decode call: each one sequence (no n > 1
+        siblings or beams to fork after it), none scoring its prompt, their slots right after the decode rows'."""
+        return self.encoder_decoder and all(
+            seq.request_state.request.slots == 1 and seq.request_state.prompt_logprobs is None
+            and seq.slot == len(decode) + i for i, seq in enumerate(work.seqs))
+
+    def _encode_then_decode(self, work: PrefillWork, decode: list[Sequence]) -> RunnerOutput:
+        """An encoder-decoder's new sources go into their slots (the encoder), then their decoder start tokens
+        run in the decode call beside the decoding rows' tokens: one decoder call a step instead of two. A
+        row's logits are the same bits either way (the graph is batch-invariant). If a call raises, the
+        prompts and the decode rows run apart, as without this, so only the work that fails fails."""
+        n, k = len(decode), len(work.seqs)
+        self._started(work)
+        for seq in work.seqs:
+            self.kv.pending[seq.slot] = self.model.decoder_start_token_id
+            self.kv.lengths[seq.slot] = 0
+        try:
+            self.runner.encode(work.seqs[0].slot, work.chunks)
+            logits = self.runner.decode(*self.scheduler.decode_inputs(n + k))
+        except Exception as e:
+            log.warning("encoding %d sources with the decode step failed (%s); running them apart", k, e)
+            return self._run_prefill(work) + self._run_decode(decode)
+        self.scheduler.decoded(n)
+        complete = self.scheduler.prefilled(work)
+        live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
+        rows = live + [n + row for row, _ in complete]
+        return RunnerOutput([decode[i] for i in live] + [seq for _, seq in complete], logits[rows])
 
     def _run_decode(self, decode: list[Sequence]) -> RunnerOutput:
         """One token for each of slots [0, n); rows still prefilling a long prompt are not sampled."""

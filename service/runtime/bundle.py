@@ -128,12 +128,21 @@ class Manifest(BaseModel):
     default_graph: str  # key into graphs used when no variant is asked for
     graphs: dict[str, GraphSpec]  # variant name -> graph (an encoder-decoder's: its decoder graphs)
     encoder_graph: GraphSpec | None = None  # an encoder-decoder's encoder, run once per source
+    # an encoder-decoder's decoder graph that has an encoder of its own (the INT8 pair), by the decoder
+    # graph's name; every other decoder graph reads what encoder_graph writes
+    encoder_graphs: dict[str, GraphSpec] = {}
 
     @model_validator(mode="after")
     def _encoder_graph_of_its_kind(self) -> Manifest:
         if (self.encoder_graph is not None) != self.model.encoder_decoder:
             raise ValueError("an encoder-decoder bundle has an encoder_graph, and only it")
+        if set(self.encoder_graphs) - set(self.graphs):
+            raise ValueError(f"encoder_graphs {sorted(set(self.encoder_graphs) - set(self.graphs))} name no graph")
         return self
+
+    def encoder_for(self, graph: str) -> GraphSpec | None:
+        """The encoder graph whose keys and values decoder graph `graph` reads."""
+        return self.encoder_graphs.get(graph, self.encoder_graph)
 
     def preferred_graph(self, cache: CacheLayout) -> str:
         """The default graph if it has this cache layout, else the first graph that has it."""

@@ -72,13 +72,15 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
     (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
     `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source)."""
+    encoder_decoder = read_manifest(bundle).model.encoder_decoder
+    if max_source is not None and not encoder_decoder:
+        raise BundleError(f"{bundle} holds a decoder-only model: max_source_tokens applies to encoder-decoders")
+
     def open_(name: str | None) -> StaticRunner:
+        if encoder_decoder:
+            return open_encoder_decoder(bundle, name, provider, threads, max_source)
         return StaticRunner(bundle, name, provider, threads)
 
-    if read_manifest(bundle).model.encoder_decoder:
-        return open_encoder_decoder(bundle, graph, provider, threads, max_source)
-    if max_source is not None:
-        raise BundleError(f"{bundle} holds a decoder-only model: max_source_tokens applies to encoder-decoders")
     if graph != AUTO_GRAPH:
         runner = open_(graph)
         if not check(runner, allow_low_agreement=allow_low_agreement).invariance.identical:
@@ -120,18 +122,16 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     return best.runner
 
 
-def open_encoder_decoder(bundle: Path, graph: str, provider: Provider, threads: int,
+def open_encoder_decoder(bundle: Path, graph: str | None, provider: Provider, threads: int,
                          max_source: int | None = None) -> Seq2SeqRunner:
-    """An encoder-decoder bundle's runner: its fp32 graphs on the CPU, which export verified against
-    PyTorch (there is no reduced-precision encoder-decoder graph to choose from or check)."""
+    """An encoder-decoder bundle's runner, on the CPU (no other provider has been checked against it)."""
     try:
-        runner = Seq2SeqRunner(bundle, None if graph == AUTO_GRAPH else graph, provider, threads,
-                               max_source=max_source)
+        runner = Seq2SeqRunner(bundle, graph, provider, threads, max_source=max_source)
     except ValueError as e:
         raise BundleError(str(e)) from None
-    if runner.provider != "CPUExecutionProvider" or runner.spec.weights != "float32":
-        raise BundleError(f"an encoder-decoder graph is served in fp32 on the CPU; {runner.graph_name!r} has "
-                          f"{runner.spec.weights} weights on {runner.provider}: serve it with provider 'cpu'")
+    if runner.provider != "CPUExecutionProvider":
+        raise BundleError(f"an encoder-decoder graph is served on the CPU; {runner.graph_name!r} opened on "
+                          f"{runner.provider}: serve it with provider 'cpu'")
     return runner
 
 
@@ -154,8 +154,11 @@ def time_decode(candidates: list[Candidate], batch: int) -> None:
 
 
 def decode_step_ms(runner: StaticRunner, batch: int, steps: int, prompt_tokens: int = TIMING_PROMPT) -> list[float]:
-    """Times (ms) of `steps` greedy decode steps at `batch` rows after a `prompt_tokens` prefill, on a
-    short cache of its own, after one untimed warm-up step."""
+    """Times (ms) of `steps` greedy decode steps at `batch` rows after a `prompt_tokens` prefill (an
+    encoder-decoder's: sources of that many tokens), on a short cache of its own, after one untimed
+    warm-up step."""
+    if isinstance(runner, Seq2SeqRunner):
+        prompt_tokens = min(prompt_tokens, runner.max_source)
     with runner.scratch_cache(batch, prompt_tokens + steps + 1):
         vocab = runner.vocab_size
         prompts = [[(7 * row + t) % vocab for t in range(prompt_tokens)] for row in range(batch)]

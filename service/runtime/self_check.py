@@ -17,6 +17,8 @@ sequences the way serving runs them: the first half in one prefill, the rest one
 time, each reading the cache the steps before wrote (the part another provider could get wrong).
 A check costs a few milliseconds for the default model and leaves no cache attached to either runner.
 
+An encoder-decoder's graphs are probed alike with sources and targets (`seq2seq_check.py`).
+
 Every graph, fp32 on the CPU included, is also probed for **batch invariance**: `INVARIANCE_ROWS` rows of
 the probe are scored alone, then inside a batch of all the probe's rows, whose prompts have other lengths
 (a prefill, then decode steps). Their logits must be the same bits. A graph that fails it gives a request
@@ -27,12 +29,14 @@ the whole batch's activations by one number, does (docs/onnx.md). `graph_choice`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from service.runtime.bundle import BundleError
 from service.runtime.cpu import cpu_info
+from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.static_runner import StaticRunner
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,16 @@ class Invariance:
                f"{self.batch}: logits {verdict})"
 
 
+@dataclass(frozen=True)
+class Probes:
+    """How a kind of model is probed: `probe(reference)` makes the probe, `agreement(candidate, reference,
+    probe)` and `batch_invariance(runner, probe)` measure a graph on it."""
+
+    probe: Callable
+    agreement: Callable
+    batch_invariance: Callable
+
+
 @dataclass
 class SelfCheck:
     agreement: Agreement | None  # None: the fp32 graph on the CPU, the reference itself
@@ -88,7 +102,7 @@ def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int
         seqs = np.full((rows, tokens), start, dtype=np.int64)
         logits = reference.prefill_batch(0, [[start]] * rows)
         for t in range(1, tokens):
-            seqs[:, t] = _sample(logits[:, :sampleable], rng)
+            seqs[:, t] = sample_tokens(logits[:, :sampleable], rng)
             if t + 1 < tokens:
                 logits = reference.decode(seqs[:, t], np.full(rows, t))
     return seqs
@@ -159,21 +173,22 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None,
     graph on the CPU, if already open."""
     reduced = runner.spec.weights != "float32"
     on_cpu = runner.provider == "CPUExecutionProvider"
+    probes = probes_for(runner)
     if not reduced and on_cpu:
-        invariance = batch_invariance(runner, probe_sequences(runner))
+        invariance = probes.batch_invariance(runner, probes.probe(runner))
         log.info("self-check: graph %s (fp32 on the CPU, the reference) is %s", runner.graph_name,
                  invariance.describe())
         return SelfCheck(None, invariance)
     reference = reference or open_reference(runner)
-    seqs = probe_sequences(reference)
-    result = agreement(runner, reference, seqs)
+    seqs = probes.probe(reference)
+    result = probes.agreement(runner, reference, seqs)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
     refusal = _disagreement(runner, reference, result, where)
     if refusal and not allow_low_agreement:
         raise BundleError(refusal)
     if refusal:
         log.warning("serving it anyway (allow_low_agreement): %s", refusal)
-    invariance = batch_invariance(runner, seqs)
+    invariance = probes.batch_invariance(runner, seqs)
     log.info("self-check: graph %s (%s weights) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
              "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, runner.spec.weights, where,
              reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff, invariance.describe())
@@ -208,17 +223,30 @@ def _export_flag(runner: StaticRunner) -> str:
     return {"int4": "int4", "float16": "fp16"}.get(runner.spec.weights, "int8")
 
 
+def probes_for(runner: StaticRunner) -> Probes:
+    if runner.manifest.model.encoder_decoder:
+        from service.runtime.seq2seq_check import PROBES
+
+        return PROBES
+    return DECODER_PROBES
+
+
 def open_reference(runner: StaticRunner) -> StaticRunner:
     """The bundle's fp32 static graph on the CPU: the graph export verified against PyTorch."""
     for name, spec in runner.manifest.graphs.items():
         if spec.cache == "static" and spec.weights == "float32" and spec.dtype == "float32":
+            if isinstance(runner, Seq2SeqRunner):
+                return Seq2SeqRunner(runner.bundle_dir, name, provider="cpu", max_source=runner.max_source)
             return StaticRunner(runner.bundle_dir, name, provider="cpu")
     raise BundleError(f"graph {runner.graph_name!r} cannot be checked: the bundle has no fp32 static graph to "
                       "compare it with; re-export it with a current 'attnserve export'")
 
 
-def _sample(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     z = logits.astype(np.float64)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.array([rng.choice(len(row), p=row) for row in p])
+
+
+DECODER_PROBES = Probes(probe_sequences, agreement, batch_invariance)

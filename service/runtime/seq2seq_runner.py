@@ -9,7 +9,8 @@ decoder's self-attention cache, which grows by a position a step and is bound as
 exactly as a decoder-only model's, each slot holds its source's cross-attention keys and values and
 its source mask, written once by the encoder and read by every decoder step:
 
-    cross key    [slots, heads, d_head, max_source]   (transposed: a step multiplies by it as it is)
+    cross key    [slots, heads, max_source, d_head]   (bundles exported before the fused attention
+                                                       operators: [slots, heads, d_head, max_source])
     cross value  [slots, heads, max_source, d_head]
     source mask  [slots, max_source]                  1 = a real source token
 
@@ -36,7 +37,7 @@ class Seq2SeqRunner(StaticRunner):
         m = self.manifest.model
         if not m.encoder_decoder:
             raise BundleError(f"{self.bundle_dir} holds a decoder-only model, not an encoder-decoder")
-        spec = self.manifest.encoder_graph
+        spec = self.manifest.encoder_for(self.graph_name)
         self.encoder = create_session(self.bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
         check_io(self.encoder, spec, m.n_layer, m.kind, encoder=True)
         if max_source is not None and not 1 <= max_source <= m.n_src_ctx:
@@ -46,6 +47,7 @@ class Seq2SeqRunner(StaticRunner):
         self.pad_id = m.pad_token_id
         self._past_names = self._past_names[:2 * m.n_layer]  # the inputs after them are the cross state
         self._cross_names = cross_kv_names(m.n_layer)
+        self.keys_transposed = spec.outputs[0].shape[2] == "d_head"  # the layout of older bundles
         self.source_state: list[np.ndarray] = []  # the attached cross keys and values (graph order), then the mask
 
     # ---- per-slot source state --------------------------------------------------------------------
@@ -55,8 +57,8 @@ class Seq2SeqRunner(StaticRunner):
         s, S = self.cache_shape, max_source or self.max_source
         state = []
         for _ in range(s.n_layer):
-            state += [np.zeros((n_slots, s.n_head, s.d_head, S), dtype=s.dtype),
-                      np.zeros((n_slots, s.n_head, S, s.d_head), dtype=s.dtype)]
+            key = (n_slots, s.n_head, s.d_head, S) if self.keys_transposed else (n_slots, s.n_head, S, s.d_head)
+            state += [np.zeros(key, dtype=s.dtype), np.zeros((n_slots, s.n_head, S, s.d_head), dtype=s.dtype)]
         return state + [np.zeros((n_slots, S), dtype=np.int64)]
 
     def slot_state_bytes(self) -> int:
@@ -88,7 +90,7 @@ class Seq2SeqRunner(StaticRunner):
         outputs = self.encoder.run(self._cross_names, {"input_ids": ids, "attention_mask": mask})
         rows = slice(first_slot, first_slot + k)
         for name, out, buf in zip(self._cross_names, outputs, self.source_state[:-1], strict=True):
-            if name.endswith("key"):
+            if name.endswith("key") and self.keys_transposed:
                 buf[rows, :, :, :width] = out
             else:
                 buf[rows, :, :width] = out

@@ -23,7 +23,8 @@ WORDS = ["transformer", "attention", "cat", "onnxruntime", "a", "encoder", "deco
 @pytest.fixture
 def make_s2s(seq2seq_bundle):
     def make(**overrides) -> Engine:
-        config = dict(bundle=seq2seq_bundle, max_running=4, max_batch_tokens=64, threads=1)
+        # the fp32 pair, whatever else the bundle holds: every engine of a test computes the same logits
+        config = dict(bundle=seq2seq_bundle, graph="static", max_running=4, max_batch_tokens=64, threads=1)
         return Engine(EngineConfig(**{**config, **overrides}))
 
     return make
@@ -48,6 +49,74 @@ def test_a_batch_gives_each_source_what_it_gets_alone(make_s2s):
     assert all(0 < len(run.tokens(f"w{i}")) <= 12 for i in range(len(WORDS)))
     for i in range(len(WORDS)):
         check_event_stream(run, f"w{i}")
+
+
+def test_new_sources_join_the_decode_call_and_change_nothing(make_s2s):
+    """Sources admitted while others decode are encoded, and their first target token decoded in the decode
+    call: one decoder call a step, the same tokens and logprobs as a prefill call of their own."""
+    srcs = sources(make_s2s())
+
+    def run(merge: bool) -> tuple[Run, int]:
+        engine = make_s2s()
+        if not merge:
+            engine._joins_decode = lambda *_: False
+        prefills = 0
+        prefill_batch = engine.runner.prefill_batch
+
+        def counted(*args, **kwargs):
+            nonlocal prefills
+            prefills += 1
+            return prefill_batch(*args, **kwargs)
+
+        engine.runner.prefill_batch = counted
+        arrivals = {2: [greedy(f"w{i}", s, 10) for i, s in enumerate(srcs) if i >= 3]}
+        out = drive(engine, [greedy(f"w{i}", s, 10) for i, s in enumerate(srcs) if i < 3], arrivals)
+        check_idle(engine)
+        return out, prefills
+
+    (joined, prefills_joined), (apart, prefills_apart) = run(True), run(False)
+    assert not joined.errors and not apart.errors
+    for i in range(len(WORDS)):
+        assert [(e.token_id, e.logprob) for e in joined.events[(f"w{i}", 0)]] == [
+            (e.token_id, e.logprob) for e in apart.events[(f"w{i}", 0)]]
+        check_event_stream(joined, f"w{i}")
+    assert prefills_joined == 1 < prefills_apart  # only the first sources, with nothing decoding, prefill alone
+
+
+def test_an_encode_that_fails_in_the_joined_step_fails_only_its_request(make_s2s):
+    engine = make_s2s()
+    srcs = sources(engine)
+    encode = engine.runner.encode
+
+    def encode_or_fail(first_slot, chunks):
+        if any(chunk == srcs[4] for chunk in chunks):
+            raise RuntimeError("the encoder refused this source")
+        return encode(first_slot, chunks)
+
+    engine.runner.encode = encode_or_fail
+    want = drive(make_s2s(), [greedy("keep", srcs[0], 10, ignore_eos=True)]).tokens("keep")
+    run = drive(engine, [greedy("keep", srcs[0], 10, ignore_eos=True)],
+                {2: [greedy("bad", srcs[4], 10), greedy("fine", srcs[5], 10)]})
+    assert run.tokens("keep") == want and run.tokens("fine")
+    assert "bad" in run.errors and set(run.errors) == {"bad"}
+    check_idle(engine)
+
+
+@pytest.mark.parametrize("graph", ["static", "static-int8"])
+def test_each_graph_gives_a_source_the_same_bits_alone_and_in_a_batch(seq2seq_int8_bundle, graph):
+    def make(**overrides) -> Engine:
+        return Engine(EngineConfig(**{**dict(bundle=seq2seq_int8_bundle, graph=graph, max_running=6,
+                                             max_batch_tokens=128, threads=1), **overrides}))
+
+    engine = make()
+    assert engine.runner.graph_name == graph
+    srcs = sources(engine)
+    alone = {f"w{i}": drive(make(max_running=1), [greedy(f"w{i}", s, 12)]).events[(f"w{i}", 0)]
+             for i, s in enumerate(srcs[:4])}
+    run = drive(engine, [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i < 6],
+                {3: [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i >= 6]})
+    for rid, events in alone.items():
+        assert [(e.token_id, e.logprob) for e in run.events[(rid, 0)]] == [(e.token_id, e.logprob) for e in events]
 
 
 def test_seeded_sampling_n_and_penalties_are_batch_invariant(make_s2s):

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 from export.cli import main
 from export.seq2seq_bundle import export_seq2seq_bundle
-from export.verify_seq2seq import verify_seq2seq
+from export.verify_seq2seq import verify_int8_pair, verify_seq2seq
 from model.checkpoint import save_model_dir
 from model.training.g2p_data import g2p_tokenizer
 from service.runtime.bundle import BundleError, read_manifest
+from service.runtime.graph_choice import open_serving_graph
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.static_runner import StaticRunner
 from tests.conftest import make_lively_seq2seq
@@ -52,8 +54,51 @@ def test_the_export_cli_writes_and_verifies(seq2seq_model_dir, tmp_path, capsys)
     assert main([str(seq2seq_model_dir), "-o", str(tmp_path / "b"), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "PASSED" in out and "model.encoder.onnx" in out
-    assert main([str(seq2seq_model_dir), "-o", str(tmp_path / "c"), "--int8"]) == 2
+    assert main([str(seq2seq_model_dir), "-o", str(tmp_path / "c"), "--int8", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "model.encoder.int8.onnx" in out and "model.decoder.static.int8.onnx" in out
+    assert "verify static-int8" in out and "FAIL" not in out and out.count("PASSED") == 2
+    assert main([str(seq2seq_model_dir), "-o", str(tmp_path / "d"), "--int4"]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
+
+
+def test_the_int8_pair_agrees_with_fp32_and_is_batch_invariant(lively_seq2seq_int8_bundle):
+    m = read_manifest(lively_seq2seq_int8_bundle)
+    assert m.graphs["static-int8"].weights == m.encoder_for("static-int8").weights == "int8"
+    assert m.encoder_for("static").file == "model.encoder.onnx" and m.encoder_for("static").weights == "float32"
+    report = verify_int8_pair(lively_seq2seq_int8_bundle)
+    assert report.passed, report.format()
+    runner = Seq2SeqRunner(lively_seq2seq_int8_bundle, "static-int8", provider="cpu")
+    assert runner.encoder._model_path.endswith("model.encoder.int8.onnx")
+    assert {node.op_type for node in onnx.load(str(lively_seq2seq_int8_bundle / "model.encoder.int8.onnx")).graph.node
+            } >= {"MatMulIntegerToFloat", "Attention"}
+
+
+def test_an_int8_pair_that_parts_from_fp32_is_not_served(lively_seq2seq_int8_bundle, tmp_path, caplog):
+    """Another model's INT8 pair where this bundle's belongs, as a CPU whose integer kernels went wrong would
+    make it: named, start-up refuses it; under auto, the fp32 pair is served."""
+    import shutil
+
+    other = tmp_path / "other"
+    save_model_dir(make_lively_seq2seq(g2p_tokenizer().vocab_size, d_ff=96), g2p_tokenizer(), other / "model")
+    export_seq2seq_bundle(other / "model", other / "bundle", int8=True)
+    bundle = tmp_path / "b"
+    shutil.copytree(lively_seq2seq_int8_bundle, bundle)
+    for file in ("model.encoder.int8.onnx", "model.decoder.static.int8.onnx"):
+        shutil.copyfile(other / "bundle" / file, bundle / file)
+    with pytest.raises(BundleError, match="static-int8.*agrees with the fp32 graph"):
+        open_serving_graph(bundle, "static-int8", threads=1)
+    with caplog.at_level("WARNING"):
+        assert open_serving_graph(bundle, "auto", threads=1).graph_name == "static"
+    assert "not serving static-int8" in caplog.text
+
+
+def test_new_graphs_use_the_fused_attention_operators(lively_seq2seq_bundle):
+    encoder = {n.op_type for n in onnx.load(str(lively_seq2seq_bundle / "model.encoder.onnx")).graph.node}
+    decoder = {n.op_type for n in onnx.load(str(lively_seq2seq_bundle / "model.decoder.static.onnx")).graph.node}
+    assert "Attention" in encoder and {"GroupQueryAttention", "MultiHeadAttention"} <= decoder
+    assert not {"Softmax", "Transpose"} & decoder  # no attention left in plain ops
+    assert "SkipLayerNormalization" in encoder & decoder
 
 
 def test_a_runner_for_the_other_kind_is_refused(lively_seq2seq_bundle, lively_bundle):

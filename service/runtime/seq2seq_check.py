@@ -1,0 +1,87 @@
+"""The start-up self-check's probe for an encoder-decoder graph (`self_check.py` has the rules it serves).
+
+The probe is `PROBE_ROWS` random sources of mixed lengths, and for each a target the fp32 graph samples
+itself at temperature 1 with a fixed seed, `PROBE_TOKENS` tokens at most (the decoder start token
+first). A graph scores the targets as serving runs them: the sources encoded together and the start
+token decoded (a prefill), then one decode step per target token, each reading the cache the steps
+before wrote. Batch invariance compares rows scored alone with the same rows among all the others,
+whose sources have other lengths, so the encoder's padding is probed too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.runtime.self_check import (
+    INVARIANCE_ROWS,
+    INVARIANCE_STEPS,
+    PROBE_ROWS,
+    PROBE_SEED,
+    PROBE_TOKENS,
+    Agreement,
+    Invariance,
+    Probes,
+    sample_tokens,
+)
+from service.runtime.seq2seq_runner import Seq2SeqRunner
+
+SOURCE_LENGTHS = (1, 3, 5, 8, 11, 14, 17, 20)  # one per probe row, cut to the source positions a slot holds
+
+
+@dataclass
+class Probe:
+    sources: list[list[int]]
+    targets: np.ndarray  # [rows, tokens]: the decoder start token, then what the reference sampled
+
+
+def probe(reference: Seq2SeqRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
+          seed: int = PROBE_SEED) -> Probe:
+    m = reference.manifest.model
+    tokens = min(tokens, m.n_ctx)
+    sampleable = min(reference.tokenizer.vocab_size, m.vocab_size)
+    low = min(4, sampleable - 1)  # ordinary tokens: past the usual specials (pad, start, end, unknown)
+    rng = np.random.default_rng(seed)
+    lengths = [min(SOURCE_LENGTHS[i % len(SOURCE_LENGTHS)], reference.max_source) for i in range(rows)]
+    sources = [rng.integers(low, sampleable, n).tolist() for n in lengths]
+    targets = np.full((rows, tokens), m.decoder_start_token_id, dtype=np.int64)
+    with reference.scratch_cache(rows, tokens):
+        logits = reference.prefill_batch(0, sources)
+        for t in range(1, tokens):
+            targets[:, t] = sample_tokens(logits[:, :sampleable], rng)
+            if t + 1 < tokens:
+                logits = reference.decode(targets[:, t], np.full(rows, t))
+    return Probe(sources, targets)
+
+
+def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.ndarray) -> np.ndarray:
+    """[rows, tokens, vocab]: the logits after each target token, as serving computes them."""
+    rows, tokens = targets.shape
+    with runner.scratch_cache(rows, tokens):
+        out = np.empty((rows, tokens, runner.vocab_size), dtype=np.float32)
+        out[:, 0] = runner.prefill_batch(0, sources)
+        for t in range(1, tokens):
+            out[:, t] = runner.decode(targets[:, t], np.full(rows, t))
+        return out
+
+
+def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> Agreement:
+    want = served_logits(reference, p.sources, p.targets)
+    got = served_logits(candidate, p.sources, p.targets)
+    same = got.argmax(-1) == want.argmax(-1)
+    return Agreement(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
+                     scale=max(float(np.abs(want).max()), 1.0))
+
+
+def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> Invariance:
+    steps = min(INVARIANCE_STEPS + 1, p.targets.shape[1])
+    targets = p.targets[:, :steps]
+    together = served_logits(runner, p.sources, targets)
+    probed = sorted({r % len(p.sources) for r in INVARIANCE_ROWS})
+    alone = np.stack([served_logits(runner, [p.sources[r]], targets[r:r + 1])[0] for r in probed])
+    return Invariance(identical=bool(np.array_equal(alone, together[probed])), rows=len(probed),
+                      batch=len(p.sources), max_abs_diff=float(np.abs(alone - together[probed]).max()))
+
+
+PROBES = Probes(probe, agreement, batch_invariance)
