@@ -264,7 +264,7 @@ class Engine:
         if batch.empty:
             return []
         out: list[Output] = []
-        if batch.new_prompts is not None and batch.decode and self._joins_decode(batch.new_prompts, batch.decode):
+        if batch.new_prompts is not None and self._joins_decode(batch.new_prompts, batch.decode):
             out += self._sample_and_update(self._encode_then_decode(batch.new_prompts, batch.decode))
             self.steps += 1
             return out
@@ -335,9 +335,10 @@ class Engine:
 
     def _encode_then_decode(self, work: PrefillWork, decode: list[Sequence]) -> RunnerOutput:
         """An encoder-decoder's new sources go into their slots (the encoder), then their decoder start tokens
-        run in the decode call beside the decoding rows' tokens: one decoder call a step instead of two. A
-        row's logits are the same bits either way (the graph is batch-invariant). If a call raises, the
-        prompts and the decode rows run apart, as without this, so only the work that fails fails."""
+        run in the decode call beside the decoding rows' tokens (if any): one decoder call a step instead of
+        two, through the decode call's bindings, made once. A row's logits are the same bits either way (the
+        graph is batch-invariant). If a call raises, the prompts and the decode rows run apart, as without
+        this, so only the work that fails fails."""
         n, k = len(decode), len(work.seqs)
         self._started(work)
         for seq in work.seqs:
@@ -348,7 +349,7 @@ class Engine:
             logits = self.runner.decode(*self.scheduler.decode_inputs(n + k))
         except Exception as e:
             log.warning("encoding %d sources with the decode step failed (%s); running them apart", k, e)
-            return self._run_prefill(work) + self._run_decode(decode)
+            return self._run_prefill(work) + (self._run_decode(decode) if decode else RunnerOutput())
         self.scheduler.decoded(n)
         complete = self.scheduler.prefilled(work)
         live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]

@@ -226,6 +226,8 @@ class Scheduler:
         state.reserved = 0
 
     def remove_waiting(self, state: RequestState) -> bool:
+        if state.seqs[0].status is not Status.WAITING:  # admitted: not queued (and a failed remove formats
+            return False  # the state's whole repr into its ValueError, a cost paid by every finished request)
         try:
             self.waiting.remove(state)
             return True

@@ -80,7 +80,7 @@ def test_new_sources_join_the_decode_call_and_change_nothing(make_s2s):
         assert [(e.token_id, e.logprob) for e in joined.events[(f"w{i}", 0)]] == [
             (e.token_id, e.logprob) for e in apart.events[(f"w{i}", 0)]]
         check_event_stream(joined, f"w{i}")
-    assert prefills_joined == 1 < prefills_apart  # only the first sources, with nothing decoding, prefill alone
+    assert prefills_joined == 0 < prefills_apart  # every source is encoded, then decoded in a decode call
 
 
 def test_an_encode_that_fails_in_the_joined_step_fails_only_its_request(make_s2s):
