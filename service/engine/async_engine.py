@@ -11,7 +11,9 @@ state. The event loop talks to it through one queue of commands (add, abort, sto
 what the engine thread publishes after each step: a stats snapshot, and each request's events with
 its timings. onnxruntime releases the GIL while it computes, so the event loop stays responsive;
 each step's events reach the loop in one `call_soon_threadsafe` callback, and the engine thread
-never waits for a consumer.
+never waits for a consumer. A request submitted `whole` (a unary call, whose consumer reads its events
+only at the end) has its events handed over when it ends, in one callback: waking the loop for every
+step of it would only make the engine thread and the loop take turns at the GIL.
 
 `submit` decides admission, once, on the loop: a bad request raises `InvalidRequest` at once, and
 a request that finds the engine full (every KV slot promised and `max_waiting` requests queued)
@@ -221,13 +223,16 @@ class AsyncEngine:
                                      f"{GRAMMAR_COMPILE_S:g} s to compile; simplify it") from None
         return grammars
 
-    def submit(self, request: GenerationRequest, grammar: Grammar | None = None) -> RequestStream:
+    def submit(self, request: GenerationRequest, grammar: Grammar | None = None, whole: bool = False
+               ) -> RequestStream:
         """Accept a request or refuse it (call from the event loop); iterate the result for its events.
-        A constrained request's grammar comes from `compile` (else it is compiled here, on the loop)."""
+        A constrained request's grammar comes from `compile` (else it is compiled here, on the loop).
+        `whole`: its events arrive together once it has ended (cancelling the stream still aborts it)."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         self._loop = self._loop or asyncio.get_running_loop()
         state = self.engine.new_request(request, grammar)  # pure: validates, raises InvalidRequest
+        state.whole = whole
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         self._admit(request.slots)
@@ -351,7 +356,19 @@ class AsyncEngine:
             return commands
 
     def _deliver(self, out: list[Output]) -> None:
-        """Hand outputs to the loop, with each request's timing as of now (copied on this thread)."""
+        """Hand outputs to the loop, with each request's timing as of now (copied on this thread); a whole
+        request's wait on it until it has ended."""
         if out and self._loop is not None and not self._loop.is_closed():
-            items = [(state.id, state, item, state.timing()) for state, item in out]
-            self._loop.call_soon_threadsafe(self._dispatch, items)
+            items = []
+            for state, item in out:
+                if state.whole:
+                    state.held.append(item)
+                    if not state.done:
+                        continue
+                    timing = state.timing()
+                    items += [(state.id, state, held, timing) for held in state.held]
+                    state.held = []
+                else:
+                    items.append((state.id, state, item, state.timing()))
+            if items:
+                self._loop.call_soon_threadsafe(self._dispatch, items)

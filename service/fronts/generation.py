@@ -35,8 +35,10 @@ class Generation:
         self._closed = False
 
     @classmethod
-    async def start(cls, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest]) -> Generation:
-        """Compile the requests' grammars (in worker threads), then submit every prompt, or none."""
+    async def start(cls, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest], whole: bool = False
+                    ) -> Generation:
+        """Compile the requests' grammars (in worker threads), then submit every prompt, or none. `whole`:
+        the response is sent once every request has ended, so their events may arrive all at once."""
         engine = state.admit()
         generation = cls(state, call)
         state.in_flight_enter()
@@ -44,7 +46,7 @@ class Generation:
             grammars = await engine.compile([a.request for a in accepted_requests])
             engine = state.admit()  # still serving after the wait
             for accepted, grammar in zip(accepted_requests, grammars, strict=True):
-                stream = engine.submit(accepted.request, grammar)
+                stream = engine.submit(accepted.request, grammar, whole=whole)
                 generation.streams.append(stream)
                 call.accepted(accepted, stream)
         except BaseException:

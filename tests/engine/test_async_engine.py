@@ -116,6 +116,39 @@ def test_cancelling_the_consumer_aborts_the_request_and_frees_its_slot(make_engi
     assert error is None and len(events) == 5 and events[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_a_whole_request_gets_its_events_at_its_end_and_can_still_be_cancelled(make_engine):
+    """Submitted `whole`, a request's events arrive together once it has ended, the same events as
+    step by step; cancelled while it runs, it is aborted all the same."""
+    async def main():
+        ae = async_engine(make_engine, max_running=4, max_batch_tokens=32)
+        want, _ = await consume(ae.submit(sampled("step", [5, 6, 7], 12, seed=2, n=2, temperature=1.0)))
+        gate = Gate(ae.engine, at=4)
+        stream = ae.submit(sampled("whole", [5, 6, 7], 12, seed=2, n=2, temperature=1.0), whole=True)
+        await gate.wait_reached()  # 3 decode steps done, their tokens held by the engine thread
+        queued_mid_run = len(stream._items)
+        gate.open()
+        got = await stream.next_batch()
+        rest = await stream.next_batch()
+        gate = Gate(ae.engine, at=3)
+        cancelled = ae.submit(greedy("gone", [5, 6, 7], 100, ignore_eos=True), whole=True)
+        reader = asyncio.create_task(cancelled.next_batch())
+        await gate.wait_reached()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        gate.open()
+        await until(lambda: not ae.engine.has_work and ae.stats().kv_free_slots == 4)
+        generated = ae.stats().generated_tokens
+        await ae.shutdown()
+        return want, got, rest, queued_mid_run, generated
+
+    want, got, rest, queued_mid_run, generated = run_async(main())
+    assert queued_mid_run == 0 and rest == []
+    assert [(e.index, e.token_id, e.finish_reason) for e in got] == [(e.index, e.token_id, e.finish_reason)
+                                                                      for e in want]
+    assert generated < 2 * 2 * 12 + 100  # the cancelled one did not run to the end
+
+
 def test_abort_by_id_ends_the_stream_with_cancelled(make_engine):
     async def main():
         ae = async_engine(make_engine, max_running=4, max_batch_tokens=32)

@@ -36,7 +36,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._generation(request, context, "Generate") as (call, accepted, stream):
+        async with self._generation(request, context, "Generate", whole=True) as (call, accepted, stream):
             collector = Collector(accepted, self.state.texts)
             while batch := await stream.next_batch():
                 call.observe(batch)
@@ -131,8 +131,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             call.finished(code.name, code is grpc.StatusCode.OK)
 
     @contextlib.asynccontextmanager
-    async def _generation(self, request: pb.GenerateRequest, context, method: str):
-        """Validate, submit, and hand the stream to the RPC body; always frees the request's slots."""
+    async def _generation(self, request: pb.GenerateRequest, context, method: str, whole: bool = False):
+        """Validate, submit, and hand the stream to the RPC body; always frees the request's slots. `whole`:
+        the body reads the events only once the request has ended."""
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
             self.state.admit()  # refused while loading or draining, before any parsing
@@ -143,7 +144,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 accepted.request.deadline = time.monotonic() + remaining
-            generation = await Generation.start(self.state, call, [accepted])
+            generation = await Generation.start(self.state, call, [accepted], whole)
             try:
                 yield call, accepted, generation.streams[0]
             finally:

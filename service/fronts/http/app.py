@@ -167,7 +167,8 @@ class HttpFront:
     async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
                         builder: ResponseBuilder, stream: bool, renames: dict[str, str]) -> Response:
         try:
-            generation = await Generation.start(self.state, call, accepted_requests)  # the engine checks them
+            # the engine checks them; a response sent whole needs their events only at the end
+            generation = await Generation.start(self.state, call, accepted_requests, whole=not stream)
         except InvalidRequest as e:
             raise renamed(e, renames) from None
         if stream:
