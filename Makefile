@@ -17,7 +17,7 @@ help:
 	@echo "make train      retrain the default model: GPT and Llama-style layouts at two schedules (~90 min on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
 	@echo "make train-g2p  retrain the grapheme-to-phoneme encoder-decoder on CMUdict (30 min on 2 cores)"
-	@echo "make bundle-g2p export it to its ONNX bundle (encoder and decoder graphs) and verify it"
+	@echo "make bundle-g2p export it to its ONNX bundle (fp32 and INT8 pairs), verify it, score it (greedy, beams)"
 	@echo "make serve-g2p  serve it: the prompt is a word, the completion its phonemes"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
@@ -112,7 +112,8 @@ train-g2p: install
 
 bundle-g2p: install
 	rm -rf $(G2P_BUNDLE)
-	$(BIN)/attnserve export $(G2P) -o $(G2P_BUNDLE) --name g2p-cmudict --verify
+	$(BIN)/attnserve export $(G2P) -o $(G2P_BUNDLE) --name g2p-cmudict --int8 --verify
+	$(BIN)/attnserve score-g2p --model $(G2P) --bundle $(G2P_BUNDLE)
 
 serve-g2p: install
 	$(BIN)/attnserve serve --bundle $(G2P_BUNDLE)
