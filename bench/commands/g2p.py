@@ -9,7 +9,8 @@ The model directory (default models/g2p-cmudict) is written as a BART directory 
 sinusoidal positions become BART's position table). CTranslate2 converts that directory with its own
 `ct2-transformers-converter` (float32 and int8, in .venv-ct2), transformers loads it as a
 `BartForConditionalGeneration` (in .venv-peers); attnserve serves the bundle (default
-models/g2p-cmudict-onnx), in-process and over gRPC. Every system runs in a process of its own
+models/g2p-cmudict-onnx): in-process its fp32 pair and, when the bundle has it, its INT8 pair, and over
+gRPC the INT8 pair (the fp32 one without it). Every system runs in a process of its own
 (`bench/peers/seq2seq_peer.py`, `bench/peers/seq2seq_attnserve.py`) on the same source ids, greedy, to
 EOS or 35 tokens (the model's longest target); the rounds go over every system in turn, rotated, so a
 noisy machine slows them alike. With `--beam K` (default 4) every system runs a second time with beam search of
@@ -39,7 +40,8 @@ MODEL = ROOT / "models" / "g2p-cmudict"
 BUNDLE = ROOT / "models" / "g2p-cmudict-onnx"
 PEER = ROOT / "bench" / "peers" / "seq2seq_peer.py"
 CT2, PEERS = ROOT / ".venv-ct2" / "bin" / "python", ROOT / ".venv-peers" / "bin" / "python"
-SYSTEMS = ("attnserve in-process", "attnserve gRPC", "CTranslate2 fp32", "CTranslate2 int8", "transformers fp32")
+SYSTEMS = ("attnserve in-process fp32", "attnserve in-process int8", "attnserve gRPC int8", "attnserve gRPC fp32",
+           "CTranslate2 fp32", "CTranslate2 int8", "transformers fp32")
 ALONE, CONCURRENCY, MAX_NEW = 64, 32, 35
 
 
@@ -101,6 +103,27 @@ def prepare(work: Path, model_dir: Path) -> tuple[dict[str, list[str] | None], s
     return commands, "not installed (make bench-peers)"
 
 
+def attnserve_commands(bundle: Path) -> dict[str, list[str]]:
+    """In-process: every pair of the bundle; over gRPC: the INT8 pair, or the fp32 one without it."""
+    from service.runtime.bundle import read_manifest
+
+    ours = [sys.executable, "-m", "bench.peers.seq2seq_attnserve", "--bundle", str(bundle)]
+    int8 = "static-int8" in read_manifest(bundle).graphs
+    commands = {"attnserve in-process fp32": [*ours, "--mode", "in-process", "--graph", "static"]}
+    if int8:
+        commands["attnserve in-process int8"] = [*ours, "--mode", "in-process", "--graph", "static-int8"]
+        commands["attnserve gRPC int8"] = [*ours, "--mode", "grpc", "--graph", "static-int8"]
+    else:
+        commands["attnserve gRPC fp32"] = [*ours, "--mode", "grpc", "--graph", "static"]
+    return commands
+
+
+def why_not(name: str, peers_why: str) -> str:
+    if name.startswith("attnserve"):
+        return "the bundle has no INT8 pair (attnserve export --int8)"
+    return peers_why
+
+
 def run(cmd: list[str], spec_path: Path) -> dict:
     done = subprocess.run([*cmd, "--spec", str(spec_path)], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -148,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     beam_path.write_text(json.dumps({**spec, "beam": args.beam}))
     torch_out = reference(args.model, spec)
     commands, why = prepare(args.work, args.model)
-    ours = [sys.executable, "-m", "bench.peers.seq2seq_attnserve", "--bundle", str(args.bundle), "--mode"]
-    commands |= {"attnserve in-process": [*ours, "in-process"], "attnserve gRPC": [*ours, "grpc"]}
-    skipped = [name for name in SYSTEMS if commands.get(name) is None]
-    for name in skipped:
-        print(f"  {name}: skipped: {why}")
-    systems = [name for name in SYSTEMS if name not in skipped]
+    commands |= attnserve_commands(args.bundle)
+    grpc_row = next(name for name in commands if name.startswith("attnserve gRPC"))
+    skipped = {name: why_not(name, why) for name in SYSTEMS
+               if commands.get(name) is None and not (name.startswith("attnserve gRPC") and name != grpc_row)}
+    for name, reason in skipped.items():
+        print(f"  {name}: skipped: {reason}")
+    systems = [name for name in SYSTEMS if commands.get(name) is not None]
     specs = dict.fromkeys(systems, spec_path)
     if args.beam > 1:
         beams = {f"{name} beam {args.beam}": name for name in systems}
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                       n) for n in systems]
     result = {"machine": describe(), "argv": argv if argv is not None else sys.argv[1:], "words": len(spec["words"]),
               "alone": spec["alone"], "concurrency": CONCURRENCY, "rounds": args.rounds, "rows": rows,
-              "skipped": skipped, "skipped_because": why if skipped else ""}
+              "skipped": skipped}
     md = render(result)
     print(md)
     if not args.no_write:
@@ -197,8 +221,7 @@ def render(r: dict) -> str:
     lines += ["", "Settings:"]
     lines += [f"- {row['system']} ({', '.join(f'{k} {v}' for k, v in row['versions'].items())}): "
               + "; ".join(f"{k}: {shown(str(v))}" for k, v in row["settings"].items()) for row in r["rows"]]
-    if r["skipped"]:
-        lines.append(f"- skipped: {', '.join(r['skipped'])}: {r['skipped_because']}")
+    lines += [f"- skipped: {name}: {reason}" for name, reason in r["skipped"].items()]
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """attnserve on an encoder-decoder bundle, measured for `attnserve bench g2p` (the spec and result of
 `seq2seq_peer.py`), in-process or over gRPC, in a process of its own.
 
-    python -m bench.peers.seq2seq_attnserve --bundle B --mode in-process --spec spec.json
-    python -m bench.peers.seq2seq_attnserve --bundle B --mode grpc --spec spec.json
+    python -m bench.peers.seq2seq_attnserve --bundle B --mode in-process --graph static --spec spec.json
+    python -m bench.peers.seq2seq_attnserve --bundle B --mode grpc --graph static-int8 --spec spec.json
 
 Settings: `max_running` = C (the concurrency), room for C sources in one prefill, onnxruntime threads =
 one per core. Greedy (temperature 0), to EOS or N tokens. In-process: the `Engine` stepped directly;
@@ -41,12 +41,12 @@ def engine_run(engine, sources: list[list[int]], max_new: int, beam: int = 1) ->
     return [result.token_ids() for result in done]
 
 
-def in_process(bundle: Path, spec: dict) -> tuple[dict, dict]:
+def in_process(bundle: Path, graph: str, spec: dict) -> tuple[dict, dict]:
     from service.engine.config import EngineConfig
     from service.engine.core import Engine
 
     lim = limits(spec)
-    engine = Engine(EngineConfig(bundle=bundle, **lim))
+    engine = Engine(EngineConfig(bundle=bundle, graph=graph, **lim))
     engine.warm_up()
     eos = engine.model.eos_token_id
 
@@ -61,15 +61,15 @@ def in_process(bundle: Path, spec: dict) -> tuple[dict, dict]:
 
     result = asyncio.run(measure_async(run_async, spec))
     result["outputs"] = [[t for t in row if t != eos] for row in result["outputs"]]
-    return result, {**lim, "api": "Engine.step; concurrent: every source added at once"}
+    return result, {**lim, "graph": graph, "api": "Engine.step; concurrent: every source added at once"}
 
 
-def over_grpc(bundle: Path, spec: dict) -> tuple[dict, dict]:
+def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[dict, dict]:
     from bench.server_process import ServerProcess
 
     lim = limits(spec)
-    args = ["serve", "--bundle", str(bundle), "--max-running", str(lim["max_running"]), "--max-batch-tokens",
-            str(lim["max_batch_tokens"])]
+    args = ["serve", "--bundle", str(bundle), "--graph", graph, "--max-running", str(lim["max_running"]),
+            "--max-batch-tokens", str(lim["max_batch_tokens"])]
     with ServerProcess(args) as srv:
         result = asyncio.run(grpc_measure(srv.address, spec))
         rss = peak_rss_bytes(srv.pid)
@@ -135,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--mode", choices=("in-process", "grpc"), required=True)
+    p.add_argument("--graph", default="static", help="the bundle's graph to serve: static (fp32) or static-int8")
     p.add_argument("--spec", required=True)
     args = p.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
-    result, settings = (in_process if args.mode == "in-process" else over_grpc)(args.bundle, spec)
+    result, settings = (in_process if args.mode == "in-process" else over_grpc)(args.bundle, args.graph, spec)
     result.setdefault("peak_rss_bytes", peak_rss_bytes())
     system = "attnserve in-process" if args.mode == "in-process" else "attnserve gRPC"
-    emit({"system": system, "precision": "fp32", "settings": settings,
+    precision = "int8" if args.graph.endswith("int8") else "fp32"
+    emit({"system": f"{system} {precision}", "precision": precision, "settings": settings,
           "versions": {"attnserve": version("attnserve"), "onnxruntime": onnxruntime.__version__}, **result})
     return 0
 
