@@ -16,6 +16,16 @@ its source mask, written once by the encoder and read by every decoder step:
 
 `slot_state(n)` allocates them; the KV cache keeps them with its slots (a slot that moves takes its
 source along). A source shorter than max_source leaves the rest of its slot masked.
+
+A small model's calls run on one thread. Its steps are so short that onnxruntime's second thread costs
+more than it brings: served by the engine, the G2P model's INT8 pair on one thread did 645-671 words/s
+alone and 1476-1663 at 32 at a time, on two 418-467 and 991-1080 (AMD EPYC, 2 cores; separate
+processes, medians of 3). So when onnxruntime may use every core (`intra_op_threads` 0) and the pair's
+files are at most `SMALL_GRAPH_BYTES`, each graph is opened a second time on one thread, and a decode
+call of at most `SMALL_ROWS` rows, or an encoding of at most `SMALL_SOURCES` sources, runs on it (larger
+calls, and larger models, on every core). A row's logits are the same bits on either session: the
+matmuls split their outputs across threads, never a sum, and the start-up self-check's invariance
+probe compares a row alone with the same row in a batch.
 """
 
 from __future__ import annotations
@@ -26,8 +36,13 @@ import numpy as np
 import onnxruntime as ort
 
 from service.runtime.bundle import BundleError, cross_kv_names
+from service.runtime.cpu import cpu_info
 from service.runtime.session import Provider, check_io, create_session
 from service.runtime.static_runner import StaticRunner
+
+SMALL_ROWS = 32  # decode calls of at most this many rows run on the one-thread session
+SMALL_SOURCES = 32  # encodings of at most this many sources run on the one-thread encoder
+SMALL_GRAPH_BYTES = 64 << 20  # the pair is opened a second time only if its files are this small
 
 
 class Seq2SeqRunner(StaticRunner):
@@ -40,6 +55,10 @@ class Seq2SeqRunner(StaticRunner):
         spec = self.manifest.encoder_for(self.graph_name)
         self.encoder = create_session(self.bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
         check_io(self.encoder, spec, m.n_layer, m.kind, encoder=True)
+        files = [self.bundle_dir / spec.file, self.bundle_dir / self.spec.file]
+        self.one_thread: tuple[ort.InferenceSession, ort.InferenceSession] | None = None  # (encoder, decoder)
+        if intra_op_threads == 0 and cpu_info().cores > 1 and sum(f.stat().st_size for f in files) <= SMALL_GRAPH_BYTES:
+            self.one_thread = tuple(create_session(f, provider, 1, inter_op_threads) for f in files)
         if max_source is not None and not 1 <= max_source <= m.n_src_ctx:
             raise ValueError(f"max_source={max_source} is outside [1, {m.n_src_ctx}] (the model's longest source)")
         self.max_source = max_source or m.n_src_ctx  # source positions each slot holds
@@ -60,6 +79,9 @@ class Seq2SeqRunner(StaticRunner):
             key = (n_slots, s.n_head, s.d_head, S) if self.keys_transposed else (n_slots, s.n_head, S, s.d_head)
             state += [np.zeros(key, dtype=s.dtype), np.zeros((n_slots, s.n_head, S, s.d_head), dtype=s.dtype)]
         return state + [np.zeros((n_slots, S), dtype=np.int64)]
+
+    def _session_for(self, rows: int) -> ort.InferenceSession:
+        return self.one_thread[1] if self.one_thread and rows <= SMALL_ROWS else self.session
 
     def slot_state_bytes(self) -> int:
         return sum(a.nbytes for a in self.slot_state(1))
@@ -87,7 +109,8 @@ class Seq2SeqRunner(StaticRunner):
         for i, src in enumerate(sources):
             ids[i, :len(src)] = src
             mask[i, :len(src)] = 1
-        outputs = self.encoder.run(self._cross_names, {"input_ids": ids, "attention_mask": mask})
+        encoder = self.one_thread[0] if self.one_thread and k <= SMALL_SOURCES else self.encoder
+        outputs = encoder.run(self._cross_names, {"input_ids": ids, "attention_mask": mask})
         rows = slice(first_slot, first_slot + k)
         for name, out, buf in zip(self._cross_names, outputs, self.source_state[:-1], strict=True):
             if name.endswith("key") and self.keys_transposed:

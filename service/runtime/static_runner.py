@@ -99,7 +99,7 @@ class StaticRunner(GraphRunner):
     def _decode_binding(self, n: int) -> ort.IOBinding:
         binding = self._decode_bindings.get(n)
         if binding is None:
-            binding = self.session.io_binding()
+            binding = self._session_for(n).io_binding()
             for name, array in (("input_ids", self._ids[:n]), ("position_ids", self._pos[:n]),
                                 ("seqlens_k", self._seqlens[:n]), ("total_sequence_length", self._total)):
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
@@ -118,8 +118,12 @@ class StaticRunner(GraphRunner):
         self._pos[:n, 0] = positions
         self._seqlens[:n] = positions
         self._total[()] = int(positions.max()) + 1
-        self.session.run_with_iobinding(self._decode_binding(n))
+        self._session_for(n).run_with_iobinding(self._decode_binding(n))
         return self._logits[:n, 0]
+
+    def _session_for(self, rows: int) -> ort.InferenceSession:
+        """The session a decode call of `rows` rows runs on."""
+        return self.session
 
     @property
     def attached(self) -> bool:

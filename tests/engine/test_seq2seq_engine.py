@@ -104,17 +104,30 @@ def test_an_encode_that_fails_in_the_joined_step_fails_only_its_request(make_s2s
 
 @pytest.mark.parametrize("graph", ["static", "static-int8"])
 def test_each_graph_gives_a_source_the_same_bits_alone_and_in_a_batch(seq2seq_int8_bundle, graph):
+    """On every core (threads 0) a small model's calls of up to SMALL_ROWS rows run on its one-thread
+    session, larger ones on every core: a source's logits are the same bits alone, on the one, and among
+    more than SMALL_ROWS, on the other."""
+    from service.runtime.cpu import cpu_info
+    from service.runtime.seq2seq_runner import SMALL_ROWS
+
     def make(**overrides) -> Engine:
-        return Engine(EngineConfig(**{**dict(bundle=seq2seq_int8_bundle, graph=graph, max_running=6,
-                                             max_batch_tokens=128, threads=1), **overrides}))
+        return Engine(EngineConfig(**{**dict(bundle=seq2seq_int8_bundle, graph=graph, max_running=SMALL_ROWS + 8,
+                                             max_batch_tokens=1024, threads=0), **overrides}))
 
     engine = make()
-    assert engine.runner.graph_name == graph
+    assert engine.runner.graph_name == graph and engine.max_running > SMALL_ROWS
+    assert (engine.runner.one_thread is not None) == (cpu_info().cores > 1)
     srcs = sources(engine)
     alone = {f"w{i}": drive(make(max_running=1), [greedy(f"w{i}", s, 12)]).events[(f"w{i}", 0)]
              for i, s in enumerate(srcs[:4])}
-    run = drive(engine, [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i < 6],
-                {3: [greedy(f"w{i}", s, 12) for i, s in enumerate(srcs) if i >= 6]})
+    crowd = srcs * (SMALL_ROWS // len(srcs) + 1)  # more rows than the one-thread session takes
+    every_core = engine.runner.session
+    calls = []
+    run_on_every_core = every_core.run_with_iobinding
+    every_core.run_with_iobinding = lambda *args: calls.append(1) or run_on_every_core(*args)
+    run = drive(engine, [greedy(f"w{i}", s, 12) for i, s in enumerate(crowd) if i < 6],
+                {3: [greedy(f"w{i}", s, 12) for i, s in enumerate(crowd) if i >= 6]})
+    assert len(crowd) > SMALL_ROWS and (calls or cpu_info().cores == 1)  # both sessions ran
     for rid, events in alone.items():
         assert [(e.token_id, e.logprob) for e in run.events[(rid, 0)]] == [(e.token_id, e.logprob) for e in events]
 
