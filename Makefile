@@ -16,7 +16,7 @@ help:
 	@echo "                only (no torch), as the container has it, on the shipped bundle"
 	@echo "make train      retrain the default model: GPT and Llama-style layouts at two schedules (~90 min on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
-	@echo "make train-g2p  retrain the grapheme-to-phoneme encoder-decoder on CMUdict (30 min on 2 cores)"
+	@echo "make train-g2p  retrain the grapheme-to-phoneme encoder-decoder on CMUdict (about 2 hours on 2 cores)"
 	@echo "make bundle-g2p export it to its ONNX bundle (fp32 and INT8 pairs), verify it, score it (greedy, beams)"
 	@echo "make serve-g2p  serve it: the prompt is a word, the completion its phonemes"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
@@ -104,7 +104,7 @@ bundle: install
 	rm -rf $(BUNDLE)
 	$(BIN)/attnserve export $(MODEL) -o $(BUNDLE) --name shakespeare --int8 --no-fp32 --verify
 
-# The grapheme-to-phoneme encoder-decoder (model/training/train_g2p.py, docs/model.md): a 30-minute budget on 2 cores
+# The grapheme-to-phoneme encoder-decoder (model/training/train_g2p.py): about 2 hours on 2 cores
 G2P        := models/g2p-cmudict
 G2P_BUNDLE := models/g2p-cmudict-onnx
 train-g2p: install

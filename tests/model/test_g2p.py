@@ -69,3 +69,17 @@ def test_a_short_training_run_writes_a_scored_servable_model(tmp_path, monkeypat
     card = (out / "README.md").read_text()
     assert "Yolchuyeva" in card and "attnserve train-g2p --out" in card
     export_seq2seq_bundle(out, tmp_path / "bundle")
+    from model.training import g2p_score
+
+    export_seq2seq_bundle(out, tmp_path / "bundle8", int8=True)
+    assert g2p_score.main(["--model", str(out), "--bundle", str(tmp_path / "bundle8"), "--beams", "1", "2"]) == 0
+    scores = json.loads((out / "scores.json").read_text())
+    cells = {(r["graph"], r["beam"]): r for r in scores["served"]}
+    assert set(cells) == {(g, b) for g in ("static", "static-int8") for b in (1, 2)}
+    assert all(r["words"] == 50 and 0 <= r["wer"] <= 1 for r in scores["served"])
+    # the fp32 pair, greedy, is PyTorch's greedy decoding, so it scores as training scored it (within a word
+    # or two: an untrained model's near-ties may fall either way at 1e-6)
+    assert cells["static", 1]["wer"] == pytest.approx(log["result"]["test_wer"], abs=2 / 50)
+    card = (out / "README.md").read_text()
+    assert "| `static-int8` (int8) |" in card and "beam 2" in card and "## Runs" in card
+    assert f"{out.name} (this model)" in card
