@@ -130,7 +130,7 @@ class Seq2SeqBuilder(GraphBuilder):
         rows = [self.weights[f"decoder.{i}.cross_attn.qkv_proj.weight"][d:] for i in range(c.n_decoder_layer)]
         y = self.node("MatMul", [memory, self.const("cross_kv_w", np.ascontiguousarray(np.concatenate(rows).T))],
                       ["cross_kv_mm"])
-        if f"decoder.0.cross_attn.qkv_proj.bias" in self.weights:
+        if "decoder.0.cross_attn.qkv_proj.bias" in self.weights:
             b = np.concatenate([self.weights[f"decoder.{i}.cross_attn.qkv_proj.bias"][d:]
                                 for i in range(c.n_decoder_layer)])
             y = self.node("Add", [y, self.const("cross_kv_b", b)], ["cross_kv"])
