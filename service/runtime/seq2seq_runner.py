@@ -57,8 +57,10 @@ class Seq2SeqRunner(StaticRunner):
         check_io(self.encoder, spec, m.n_layer, m.kind, encoder=True)
         files = [self.bundle_dir / spec.file, self.bundle_dir / self.spec.file]
         self.one_thread: tuple[ort.InferenceSession, ort.InferenceSession] | None = None  # (encoder, decoder)
-        if intra_op_threads == 0 and cpu_info().cores > 1 and sum(f.stat().st_size for f in files) <= SMALL_GRAPH_BYTES:
-            self.one_thread = tuple(create_session(f, provider, 1, inter_op_threads) for f in files)
+        small = sum(f.stat().st_size for f in files) <= SMALL_GRAPH_BYTES
+        on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
+        if intra_op_threads == 0 and cpu_info().cores > 1 and small and on_cpu:
+            self.one_thread = tuple(create_session(f, "cpu", 1, inter_op_threads) for f in files)
         if max_source is not None and not 1 <= max_source <= m.n_src_ctx:
             raise ValueError(f"max_source={max_source} is outside [1, {m.n_src_ctx}] (the model's longest source)")
         self.max_source = max_source or m.n_src_ctx  # source positions each slot holds
