@@ -18,9 +18,9 @@ its source mask, written once by the encoder and read by every decoder step:
 source along). A source shorter than max_source leaves the rest of its slot masked.
 
 A small model's calls run on one thread. Its steps are so short that onnxruntime's second thread costs
-more than it brings: served by the engine, the G2P model's INT8 pair on one thread did 645-671 words/s
-alone and 1476-1663 at 32 at a time, on two 418-467 and 991-1080 (AMD EPYC, 2 cores; separate
-processes, medians of 3). So when onnxruntime may use every core (`intra_op_threads` 0) and the pair's
+more than it brings: served in-process, the G2P model was faster on one thread than on two at every
+batch size up to 32, alone and 32 at a time (interleaved comparisons in separate processes).
+So when onnxruntime may use every core (`intra_op_threads` 0) and the pair's
 files are at most `SMALL_GRAPH_BYTES`, each graph is opened a second time on one thread, and a decode
 call of at most `SMALL_ROWS` rows, or an encoding of at most `SMALL_SOURCES` sources, runs on it (larger
 calls, and larger models, on every core). A row's logits are the same bits on either session: the
