@@ -14,7 +14,7 @@ COMMANDS = {
     "train": ("model.training.train", "train the default model on the Shakespeare corpus"),
     "train-g2p": ("model.training.train_g2p",
                   "train the grapheme-to-phoneme encoder-decoder on the CMU Pronouncing Dictionary"),
-    "score-g2p": ("model.training.g2p_score",
+    "score-g2p": ("bench.g2p_score",
                   "score the served G2P model on its test words (greedy and beam search) and write its card"),
     "health": ("service.client.health_probe", "exit 0 if a server reports SERVING on the gRPC health service"),
     "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),

@@ -5,6 +5,7 @@
 - peers/      the other engines `bench compare` and `bench g2p` measure, each run by the peer protocol
 - the modules here, beside cli.py, are the helpers the commands share:
   - machine.py         what a benchmark ran on; `publish()` writes its JSON and its BENCHMARKS.md section
+  - g2p_score.py       `attnserve score-g2p`: the served G2P model's test WER and PER (greedy, beams), into its card
   - noop_server.py     a server that generates nothing (`python -m bench.noop_server`), for `bench serve --noop-check`
   - op_profile.py      `python -m bench.op_profile`: a decode step's time by operator (a diagnostic, not a bench)
   - plots.py           the PNG plots of the results

@@ -13,6 +13,7 @@ when it uses one of TORCH_FIXTURES) and is skipped in that lane, with the reason
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,8 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # fixtures that build a model with torch (directly or through another of them)
 TORCH_FIXTURES = frozenset({"tiny_model", "tiny_model_dir", "tiny_bundle", "lively_model_dir", "lively_bundle",
                             "llama_bundle", "plain_bundle", "wrong_int8_bundle", "per_tensor_bundle", "seq2seq_model_dir",
-                            "lively_seq2seq_bundle", "lively_seq2seq_int8_bundle"})
+                            "lively_seq2seq_bundle", "lively_seq2seq_int8_bundle",
+                            "short_g2p_run"})
 
 
 def pytest_addoption(parser):
@@ -256,6 +258,24 @@ def lively_seq2seq_bundle(tmp_path_factory, seq2seq_model_dir) -> Path:
     path = tmp_path_factory.mktemp("seq2seq_bundle")
     export_seq2seq_bundle(seq2seq_model_dir, path, name="tiny-seq2seq")
     return path
+
+
+@pytest.fixture
+def short_g2p_run(tmp_path, monkeypatch) -> tuple[Path, dict]:
+    """A G2P model trained for 6 steps (1 + 1 layers, d_model 32) on 400 CMUdict words, split 300 / 50 / 50
+    (the split patched for the test): its directory and its training log."""
+    from model.training import g2p_data as data
+    from model.training import train_g2p
+
+    few = dict(list(data.load_cmudict().items())[:400])
+    monkeypatch.setattr(data, "split_words", lambda _: data.Split(dict(list(few.items())[:300]),
+                                                                  dict(list(few.items())[300:350]),
+                                                                  dict(list(few.items())[350:])))
+    out = tmp_path / "g2p"
+    assert train_g2p.main(["--out", str(out), "--n-encoder-layer", "1", "--n-decoder-layer", "1", "--d-model", "32",
+                           "--d-ff", "64", "--batch-size", "16", "--max-steps", "6", "--eval-interval", "3",
+                           "--warmup-steps", "2"]) == 0
+    return out, json.loads((out / "training_log.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,5 @@
     config_cli.py    a training config dataclass as a command line, and back
     model_card.py    the default model's card and loss curve
     g2p_card.py      the G2P model's card
-    g2p_score.py     `attnserve score-g2p`: the served G2P model's test scores (greedy, beams), into its card
     pick_default.py  ships the candidate with the lowest held-out bits/char as the default model
 """

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from model.training import g2p_data as data
@@ -51,35 +49,12 @@ def test_scores_count_any_reference_and_the_closest_edits():
 
 
 @pytest.mark.slow
-def test_a_short_training_run_writes_a_scored_servable_model(tmp_path, monkeypatch, words):
+def test_a_short_training_run_writes_a_scored_servable_model(short_g2p_run, tmp_path):
     from export.seq2seq_bundle import export_seq2seq_bundle
-    from model.training import train_g2p
 
-    few = dict(list(words.items())[:400])
-    monkeypatch.setattr(data, "split_words", lambda _: data.Split(dict(list(few.items())[:300]),
-                                                                  dict(list(few.items())[300:350]),
-                                                                  dict(list(few.items())[350:])))
-    out = tmp_path / "g2p"
-    assert train_g2p.main(["--out", str(out), "--n-encoder-layer", "1", "--n-decoder-layer", "1", "--d-model", "32",
-                           "--d-ff", "64", "--batch-size", "16", "--max-steps", "6", "--eval-interval", "3",
-                           "--warmup-steps", "2"]) == 0
-    log = json.loads((out / "training_log.json").read_text())
+    out, log = short_g2p_run
     assert log["result"]["test_words"] == 50 and 0 <= log["result"]["test_per"] and log["result"]["test_wer"] <= 1
     assert [h["step"] for h in log["history"]] == [3, 6]
     card = (out / "README.md").read_text()
     assert "Yolchuyeva" in card and "attnserve train-g2p --out" in card
     export_seq2seq_bundle(out, tmp_path / "bundle")
-    from model.training import g2p_score
-
-    export_seq2seq_bundle(out, tmp_path / "bundle8", int8=True)
-    assert g2p_score.main(["--model", str(out), "--bundle", str(tmp_path / "bundle8"), "--beams", "1", "2"]) == 0
-    scores = json.loads((out / "scores.json").read_text())
-    cells = {(r["graph"], r["beam"]): r for r in scores["served"]}
-    assert set(cells) == {(g, b) for g in ("static", "static-int8") for b in (1, 2)}
-    assert all(r["words"] == 50 and 0 <= r["wer"] <= 1 for r in scores["served"])
-    # the fp32 pair, greedy, is PyTorch's greedy decoding, so it scores as training scored it (within a word
-    # or two: an untrained model's near-ties may fall either way at 1e-6)
-    assert cells["static", 1]["wer"] == pytest.approx(log["result"]["test_wer"], abs=2 / 50)
-    card = (out / "README.md").read_text()
-    assert "| `static-int8` (int8) |" in card and "beam 2" in card and "## Runs" in card
-    assert f"{out.name} (this model)" in card

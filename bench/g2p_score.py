@@ -3,7 +3,8 @@
     attnserve score-g2p --model models/g2p-cmudict --bundle models/g2p-cmudict-onnx \
         --runs runs/g2p-*/training_log.json
 
-Every test word goes through the serving engine (`service.engine`), as a client's request would: each
+Every test word goes through the serving engine (`service.engine`), as a client's request would (so this
+lives beside the benchmarks: model/ uses only the runtime of service/): each
 graph of the bundle (fp32, and INT8 when the bundle has it), greedy and with beam search of each
 `--beams` width, 32 words at a time. The scores (WER, PER) and a summary of each training run named
 by `--runs` are written to `<model>/scores.json`, and the model card (`README.md`) is written again
