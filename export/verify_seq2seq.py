@@ -77,16 +77,14 @@ def verify_seq2seq(model: EncoderDecoder, bundle, tol: float = 1e-4, seed: int =
 
 def verify_int8_pair(bundle) -> Report:
     """The INT8 encoder and decoder against the fp32 pair on this CPU, as the start-up self-check measures
-    them (`service.runtime.seq2seq_check`): top-1 agreement on the probe's targets, and batch invariance."""
+    them (`service.runtime.self_check.check`, probing with `seq2seq_check`): top-1 agreement on the probe's
+    targets, and batch invariance."""
     from export.seq2seq_bundle import INT8_GRAPH
-    from service.runtime.self_check import MIN_AGREEMENT
-    from service.runtime.seq2seq_check import agreement, batch_invariance, probe
+    from service.runtime.self_check import MIN_AGREEMENT, check
 
     reference = Seq2SeqRunner(bundle, "static", provider="cpu")
-    int8 = Seq2SeqRunner(bundle, INT8_GRAPH, provider="cpu")
-    p = probe(reference)
-    agreed = agreement(int8, reference, p)
-    invariance = batch_invariance(int8, p)
+    checked = check(Seq2SeqRunner(bundle, INT8_GRAPH, provider="cpu"), reference, allow_low_agreement=True)
+    agreed, invariance = checked.agreement, checked.invariance
     report = Report(graph=INT8_GRAPH, tol=float("nan"))
     least = MIN_AGREEMENT["int8"]
     report.checks.append(Check("agreement", agreed.max_abs_diff, agreed.top1 >= least,

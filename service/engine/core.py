@@ -341,9 +341,8 @@ class Engine:
         this, so only the work that fails fails."""
         n, k = len(decode), len(work.seqs)
         self._started(work)
-        for seq in work.seqs:
+        for seq in work.seqs:  # a new slot's length is 0; it feeds the decoder start token
             self.kv.pending[seq.slot] = self.model.decoder_start_token_id
-            self.kv.lengths[seq.slot] = 0
         try:
             self.runner.encode(work.seqs[0].slot, work.chunks)
             logits = self.runner.decode(*self.scheduler.decode_inputs(n + k))

@@ -60,6 +60,13 @@ class Agreement:
     max_abs_diff: float  # largest |Δlogit| over them
     scale: float  # largest |logit| of the reference
 
+    @classmethod
+    def of(cls, got: np.ndarray, want: np.ndarray) -> Agreement:
+        """How closely logits `got` follow the reference's `want` (the vocabulary on the last axis)."""
+        same = got.argmax(-1) == want.argmax(-1)
+        return cls(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
+                   scale=max(float(np.abs(want).max()), 1.0))
+
 
 @dataclass
 class Invariance:
@@ -67,6 +74,12 @@ class Invariance:
     rows: int  # rows scored alone
     batch: int  # rows in the batch they were scored in
     max_abs_diff: float
+
+    @classmethod
+    def of(cls, alone: np.ndarray, together: np.ndarray, batch: int) -> Invariance:
+        """Rows' logits scored alone against the same rows scored in a batch of `batch`."""
+        return cls(identical=bool(np.array_equal(alone, together)), rows=len(alone), batch=batch,
+                   max_abs_diff=float(np.abs(alone - together).max()))
 
     def describe(self) -> str:
         verdict = "identical" if self.identical else f"differ by up to {self.max_abs_diff:.3g}"
@@ -130,11 +143,7 @@ def served_logits(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
 def agreement(candidate: StaticRunner, reference: StaticRunner, seqs: np.ndarray | None = None) -> Agreement:
     """How closely `candidate` follows `reference` on the probe (or on `seqs`)."""
     seqs = probe_sequences(reference) if seqs is None else seqs
-    want = served_logits(reference, seqs)
-    got = served_logits(candidate, seqs)
-    same = got.argmax(-1) == want.argmax(-1)
-    return Agreement(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
-                     scale=max(float(np.abs(want).max()), 1.0))
+    return Agreement.of(served_logits(candidate, seqs), served_logits(reference, seqs))
 
 
 def mixed_batch_logits(runner: StaticRunner, seqs: np.ndarray, lengths: list[int], steps: int) -> np.ndarray:
@@ -160,9 +169,7 @@ def batch_invariance(runner: StaticRunner, seqs: np.ndarray) -> Invariance:
     together = mixed_batch_logits(runner, seqs, lengths, steps)
     probed = sorted({r % rows for r in INVARIANCE_ROWS})
     alone = np.stack([mixed_batch_logits(runner, seqs[r:r + 1], [lengths[r]], steps)[0] for r in probed])
-    diff = float(np.abs(alone - together[probed]).max())
-    return Invariance(identical=bool(np.array_equal(alone, together[probed])), rows=len(probed), batch=rows,
-                      max_abs_diff=diff)
+    return Invariance.of(alone, together[probed], rows)
 
 
 def check(runner: StaticRunner, reference: StaticRunner | None = None,

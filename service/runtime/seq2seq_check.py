@@ -67,11 +67,7 @@ def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.n
 
 
 def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> Agreement:
-    want = served_logits(reference, p.sources, p.targets)
-    got = served_logits(candidate, p.sources, p.targets)
-    same = got.argmax(-1) == want.argmax(-1)
-    return Agreement(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
-                     scale=max(float(np.abs(want).max()), 1.0))
+    return Agreement.of(served_logits(candidate, p.sources, p.targets), served_logits(reference, p.sources, p.targets))
 
 
 def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> Invariance:
@@ -80,8 +76,7 @@ def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> Invariance:
     together = served_logits(runner, p.sources, targets)
     probed = sorted({r % len(p.sources) for r in INVARIANCE_ROWS})
     alone = np.stack([served_logits(runner, [p.sources[r]], targets[r:r + 1])[0] for r in probed])
-    return Invariance(identical=bool(np.array_equal(alone, together[probed])), rows=len(probed),
-                      batch=len(p.sources), max_abs_diff=float(np.abs(alone - together[probed]).max()))
+    return Invariance.of(alone, together[probed], len(p.sources))
 
 
 PROBES = Probes(probe, agreement, batch_invariance)

@@ -121,7 +121,6 @@ class GraphRunner:
             raise BundleError(f"graph {name!r} has a {self.spec.cache} KV cache; this runner needs a {self.CACHE} "
                               f"one (graphs in the bundle: {listing})")
         self.tokenizer = load_tokenizer(self.bundle_dir, self.manifest)
-        self.threads = intra_op_threads  # onnxruntime's intra-op threads; 0: its default, one per core
         self.session = create_session(self.bundle_dir / self.spec.file, provider, intra_op_threads,
                                       inter_op_threads)
         m = self.manifest.model
