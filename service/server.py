@@ -5,10 +5,10 @@ OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful dra
     attnserve serve --bundle my-bundle --host 0.0.0.0 --max-running 32
 
 Both fronts run in this process's one event loop, on the one engine (`FrontState`): one model, one
-queue, one set of limits. Life cycle: bind both ports (health NOT_SERVING, HTTP /health 503) -> load
-the bundle -> warm up -> SERVING. On SIGTERM or SIGINT: both report not serving, new generations get
-UNAVAILABLE / 503, requests in flight on either front get `grace_period_s` to finish, then the
-process exits 0.
+queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle -> warm up ->
+open the gRPC port, SERVING. On SIGTERM or SIGINT: health NOT_SERVING, the gRPC port closes to new calls
+and new HTTP requests get 503, requests in flight on either front get `grace_period_s` to finish, then
+the process exits 0.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
         self.port = 0
+        self._grpc_started = False
         self.http_port = 0
         self.metrics_port = 0
         token = settings.bearer_token()
@@ -77,30 +78,21 @@ class Server:
         return self.state.engine
 
     async def start(self) -> None:
-        """Bind and report NOT_SERVING, load and warm the model, then report SERVING."""
+        """Take the HTTP port (`/health` 503 while loading), load and warm the model, then open the gRPC port,
+        SERVING from its first call: a balancer that knows nothing of health (nginx, an L4 proxy) cannot send
+        a call to a replica that is still loading."""
         s = self.settings
         asyncio.get_running_loop().set_exception_handler(logs.ThrottledLoopErrors())
         await self._set_health(NOT_SERVING)
         credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
-        address = f"{s.host}:{s.port}"
-        ensure_bindable("port", s.host, s.port)  # grpc's own error says only "Failed to bind"
-        try:
-            self.port = (self.grpc.add_secure_port(address, credentials) if credentials
-                         else self.grpc.add_insecure_port(address))
-        except RuntimeError as e:  # taken since the check
-            raise port_error("port", s.host, s.port, str(e)) from None
-        if self.port == 0:
-            raise port_error("port", s.host, s.port, "grpc bound no address")
-        await self.grpc.start()
+        ensure_bindable("port", s.host, s.port)  # before the model loads: a port in use fails at once
         if self.http is not None:
             self.http_port = await self.http.start()
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         scheme = "https" if credentials else "http"
-        log.info("gRPC listening on %s:%d%s (%s%s; not serving until the model is warm)%s", s.host, self.port,
-                 f", HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1" if self.http_port else "",
-                 "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
-                 ", bearer token required" if s.auth_token or s.auth_token_file else "",
+        log.info("loading the model%s%s", f"; HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1 "
+                 "answers 503 until it is warm" if self.http_port else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
         engine = self._engine = self._engine or await asyncio.to_thread(AsyncEngine, s.engine_config())
         if s.warmup:
@@ -111,14 +103,32 @@ class Server:
             await rehearse(engine)
         self.state.attach(engine)
         await self._set_health(SERVING)
-        log.info("serving %s (%s graph) on %s:%d%s", engine.model.name, engine.runner.graph_name,
-                 s.host, self.port, f" and HTTP :{self.http_port}" if self.http_port else "")
+        address = f"{s.host}:{s.port}"
+        try:
+            self.port = (self.grpc.add_secure_port(address, credentials) if credentials
+                         else self.grpc.add_insecure_port(address))
+        except RuntimeError as e:  # taken while the model loaded
+            raise port_error("port", s.host, s.port, str(e)) from None
+        if self.port == 0:
+            raise port_error("port", s.host, s.port, "grpc bound no address")
+        await self.grpc.start()
+        self._grpc_started = True
+        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", engine.model.name, engine.runner.graph_name,
+                 s.host, self.port, "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
+                 ", bearer token required" if s.auth_token or s.auth_token_file else "",
+                 f", HTTP :{self.http_port}" if self.http_port else "")
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything."""
+        """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything.
+
+        Health turns NOT_SERVING (every Watch hears it at once) and the gRPC port closes to new calls
+        (GOAWAY: a call racing it is retried by the client's channel, a proxy connects to another replica)
+        while the calls in flight go on. New HTTP requests get 503, which a proxy passes to the next replica."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
         self.state.accepting = False
         await self.health.enter_graceful_shutdown()
+        closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self._grpc_started \
+            else None
         log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.state.active, grace_s)
         try:
             if self.state.active:
@@ -132,7 +142,9 @@ class Server:
                     await asyncio.wait_for(self.state.idle.wait(), timeout=END_WAIT_S)
         if self.http is not None:
             await self.http.stop()
-        await self.grpc.stop(grace=1.0)
+        if closing is not None:
+            await self.grpc.stop(grace=1.0)  # what is left: health watches
+            await closing
         if self._engine is not None:
             await self._engine.shutdown()
         self.metrics.close()

@@ -22,6 +22,7 @@ Keyword arguments are the fields of `GenerateRequest`, `SamplingParams` and `Sto
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -35,7 +36,41 @@ from service.fronts.auth import read_pem
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 STOPPING_FIELDS = frozenset(pb.StoppingCriteria.DESCRIPTOR.fields_by_name)
 REQUEST_FIELDS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name) - {"prompt", "sampling", "stopping"}
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20)]
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+# The channel's service config (https://github.com/grpc/grpc/blob/master/doc/service_config.md): a call that ends
+# before any response with UNAVAILABLE (a replica that is draining, or went away) or CANCELLED (the server's
+# transport dropped it as it arrived, when a drain closed the port under it) is sent again, up to 5 attempts
+# in all; through round robin, to the next replica. Every call of the API leaves the server as it found it, so
+# sending one again is safe; a stream that has received its first message is never sent again (that would
+# repeat tokens), and a call the client itself cancels is not retried. docs/deploy.md#retries.
+RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}
+
+
+def service_config(round_robin: bool = False) -> dict:
+    """`round_robin`: the target resolves to every replica's own address (a headless Service's DNS name, or
+    `ipv4:10.0.0.11:50051,10.0.0.12:50051`): balance calls over them, one call at a time, and pick a replica only
+    while its health service reports SERVING (one that loads or drains gets no new calls). Not through a proxy
+    (nginx, Envoy, an ingress): it balances itself, and the health it answers is one replica's, not its own."""
+    config = {"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": RETRY_POLICY}]}
+    if round_robin:
+        config |= {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE_NAME}}
+    return config
+
+
+def channel_options(round_robin: bool = False) -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_receive_message_length", 64 * 2**20),
+        ("grpc.service_config", json.dumps(service_config(round_robin))),
+        ("grpc.enable_retries", 1),
+        # a replica restarted on its address is connected again within 2 s, not after a backoff of minutes
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 
 def build_request(prompt: str | Iterable[int], **fields) -> pb.GenerateRequest:
@@ -88,13 +123,17 @@ def connection_options(args: argparse.Namespace) -> dict:
 
 
 class Client:
-    """Blocking client. `timeout_s` is each call's deadline unless a call passes its own."""
+    """Blocking client. `timeout_s` is each call's deadline unless a call passes its own. `round_robin`: the
+    target names every replica (a headless Service), and calls are balanced over the healthy ones
+    (`service_config`). Calls refused with UNAVAILABLE before any response are retried either way."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
                  metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None,
-                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
-        self.channel = channel or (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
-                                   else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 round_robin: bool = False):
+        options = channel_options(round_robin)
+        self.channel = channel or (grpc.secure_channel(target, credentials, options=options) if credentials
+                                   else grpc.insecure_channel(target, options=options))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = call_metadata(metadata, token)
@@ -144,10 +183,12 @@ class AsyncClient:
 
     def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
                  metadata: Iterable[tuple[str, str]] = (), channel: grpc.aio.Channel | None = None,
-                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None):
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 round_robin: bool = False):
+        options = channel_options(round_robin)
         self.channel = channel or (
-            grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
-            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+            grpc.aio.secure_channel(target, credentials, options=options) if credentials
+            else grpc.aio.insecure_channel(target, options=options))
         self.stub = pb_grpc.TextGenerationStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = call_metadata(metadata, token)

@@ -1,4 +1,4 @@
-"""The server's life: NOT_SERVING until warm, SERVING, then a drain that lets streams finish.
+"""The server's life: the gRPC port closed until warm, SERVING, then a drain that lets streams finish.
 The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
 
 from __future__ import annotations
@@ -32,23 +32,54 @@ def health(address: str, service: str = "") -> int:
                                                          timeout=10).status
 
 
-def test_not_serving_until_warm_then_serving(engine_bundle):
-    s = settings(engine_bundle, warmup=True)
+def reachable_health(address: str, service: str = "") -> int | None:
+    """Its health status, or None while the port takes no calls (loading, or closed by a drain)."""
+    try:
+        return health(address, service)
+    except grpc.RpcError as e:
+        assert e.code() is grpc.StatusCode.UNAVAILABLE, e
+        return None
+
+
+def test_the_grpc_port_opens_only_once_warm_and_serving(engine_bundle):
+    """While the model loads, the gRPC port takes no connection (a balancer that ignores health still cannot
+    send it a call): health and generation are UNAVAILABLE. Once warm, it is SERVING from its first call."""
+    port = free_port()
+    s = settings(engine_bundle, warmup=True, port=port)
     gates = []
     engine = engine_for(s, lambda e: gates.append(Gate(e, at=1)))  # holds the warm-up's first decode
     with ServerThread(s, engine, start=False) as srv:
         starting = srv.start_async()
         gates[0].wait_reached_sync()
-        assert health(srv.address) == NOT_SERVING
-        assert health(srv.address, "attnserve.v1.TextGeneration") == NOT_SERVING
-        with Client(srv.address, timeout_s=30) as c:
+        address = f"127.0.0.1:{port}"
+        assert reachable_health(address) is None
+        with Client(address, timeout_s=30) as c:
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("Rom.", max_new_tokens=2)
-            assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
             gates[0].open()
             starting.result(30)
-            assert health(srv.address) == SERVING
+            assert srv.server.port == port
+            assert health(address) == SERVING and health(address, "attnserve.v1.TextGeneration") == SERVING
             assert len(c.generate("Rom.", max_new_tokens=2, ignore_eos=True).completions[0].token_ids) == 2
+
+
+def test_a_health_watch_hears_not_serving_as_the_drain_starts(engine_bundle):
+    """A balancer that watches health (gRPC's client-side health checks) is told at once; new calls are then
+    refused at the port while the stream in flight finishes."""
+    s = settings(engine_bundle, warmup=False)
+    with ServerThread(s, engine_for(s, slowed(0.01))) as srv, Client(srv.address, timeout_s=60) as c:
+        watch = health_pb2_grpc.HealthStub(c.channel).Watch(
+            health_pb2.HealthCheckRequest(service="attnserve.v1.TextGeneration"), timeout=60)
+        assert next(watch).status == SERVING
+        call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=80, ignore_eos=True, seed=1), timeout=60)
+        first = next(call)
+        stopped = srv.drain(grace_s=30)
+        assert next(watch).status == NOT_SERVING
+        assert reachable_health(srv.address) in (NOT_SERVING, None)
+        rest = list(call)
+        assert sum(len(m.token_ids) for m in [first, *rest]) == 80
+        stopped.result(30)
 
 
 def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
@@ -57,7 +88,7 @@ def test_drain_finishes_streams_in_flight_and_refuses_new_work(engine_bundle):
         call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=80, ignore_eos=True, seed=1), timeout=60)
         first = next(call)
         stopped = srv.drain(grace_s=30)
-        wait_until(lambda: health(srv.address) == NOT_SERVING, what="health to flip")
+        wait_until(lambda: reachable_health(srv.address) in (NOT_SERVING, None), what="health to flip")
         with pytest.raises(grpc.RpcError) as e:
             c.generate("Ham.", max_new_tokens=2)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -126,7 +157,7 @@ def wait_serving(proc: subprocess.Popen, address: str) -> None:
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bundle):
     """A gRPC stream and an HTTP stream in flight when SIGTERM arrives: both finish whole, while new calls
-    get UNAVAILABLE and 503, gRPC health says NOT_SERVING and HTTP /health 503; then the process exits 0."""
+    get UNAVAILABLE and 503, gRPC health is NOT_SERVING or closed and HTTP /health 503; then the process exits 0."""
     port, http_port = free_port(), free_port()
     address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     proc = start_process(engine_bundle, port, "--http-port", str(http_port))
@@ -141,7 +172,7 @@ def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bun
                 events = sse.iter_lines()
                 next(events)
                 proc.send_signal(signal.SIGTERM)
-                wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+                wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), what="health to flip")
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("Ham.", max_new_tokens=2)
                 assert e.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -162,7 +193,7 @@ def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bun
 @pytest.mark.slow
 def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
     """8 streams in flight (4 running, 4 queued) when SIGTERM arrives: all 8 finish whole, new calls
-    get UNAVAILABLE, health says NOT_SERVING, and the process exits 0 within the grace period."""
+    get UNAVAILABLE, health is NOT_SERVING or closed, and the process exits 0 within the grace period."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     proc = start_process(engine_bundle, port, "--grace-period-s", "20")
@@ -175,7 +206,7 @@ def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
             wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 4))(c.server_info()),
                        what="four requests to run and four to queue")
             proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: health(address) == NOT_SERVING, what="health to flip")
+            wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), what="health to flip")
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("Ham.", max_new_tokens=2)
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE
