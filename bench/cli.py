@@ -23,6 +23,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "bandwidth": ("bandwidth", "memory read bandwidth: the bound on a batch-1 decode step's weight reads"),
     "structured": ("structured", "structured output: llguidance's compile and mask times at 4k-150k vocabularies, "
                                  "random walks checked on both tokenizer kinds"),
+    "replicas": ("replicas", "1, 2 and 3 replicas behind gRPC round robin and nginx: capacity, a rolling update, "
+                             "a killed replica"),
     "speculative": ("speculative", "prompt-lookup speculative decoding at batch 1, and what a verification costs"),
 }
 

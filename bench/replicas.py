@@ -331,7 +331,7 @@ class Outcome:
     """One request as its client saw it."""
     request_id: str
     sent: float
-    phase: str  # what the fleet was doing when it was sent ("steady", "roll", ...)
+    phase: str  # what the fleet was doing when it was sent ("steady", "roll", ...); "first" for a client's first
     first_token: float | None = None
     tokens: int = 0
     code: str = ""  # "OK", a gRPC status name, an HTTP status, or "HUNG" (no end by its deadline)
@@ -395,7 +395,8 @@ class _Load:
     async def _client(self, c: int) -> None:
         n = 0
         while not self._stop.is_set():
-            outcome = Outcome(f"{self.prefix}-{c}-{n}", time.monotonic(), self.phase)
+            # a client's first request opens its connections: not a steady-state figure
+            outcome = Outcome(f"{self.prefix}-{c}-{n}", time.monotonic(), "first" if n == 0 else self.phase)
             self.outcomes.append(outcome)
             try:
                 await asyncio.wait_for(self.one(c, n, outcome), self.deadline_s + 30)
@@ -510,3 +511,48 @@ class HttpLoad(_Load):
                 outcome.code = "OK" if outcome.tokens else "NO_USAGE"
         except httpx2.HTTPError as e:
             outcome.code = type(e).__name__
+
+
+# ---- what the tests and `attnserve bench replicas` run -------------------------------------------
+
+async def roll_under_load(fleet: Fleet, load: _Load, settle: int = 2) -> list[dict]:
+    """The load runs; once `settle` requests per client are done, the fleet is rolled; the load runs on until
+    `settle` more per client are done. Requests are labelled "steady", "roll" and "after" by when they were sent."""
+    async with load.running():
+        await load.wait_for(lambda: load.completed_count() >= settle * load.clients)
+        load.phase = "roll"
+        steps = await fleet.roll()
+        load.phase = "after"
+        done = load.completed_count()
+        await load.wait_for(lambda: load.completed_count() >= done + settle * load.clients)
+    return steps
+
+
+async def kill_under_load(load: _Load, victim: Replica, settle: int = 1, after: int = 3) -> float:
+    """SIGKILL `victim` while it sends at least two streams; returns when. Requests sent later are "after"."""
+    async with load.running():
+        await load.wait_for(lambda: load.completed_count() >= settle * load.clients)
+        await load.wait_for(lambda: victim.metrics().get("attnserve_requests_running", 0) >= 2)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(victim.kill)
+        load.phase = "after"
+        done = load.completed_count()
+        await load.wait_for(lambda: load.completed_count() >= done + after * load.clients)
+    return killed_at
+
+
+async def capacity(fleet: Fleet, load: StreamLoad, warm: int = 1, measured: int = 4) -> dict:
+    """Tokens/s and TTFT over a window of steady load: from when `warm` requests per client are done until
+    `measured` more per client are; tokens of the requests that ended in the window, TTFT of those sent in it."""
+    async with load.running():
+        await load.wait_for(lambda: load.completed_count() >= warm * load.clients)
+        load.phase, start = "measured", time.monotonic()
+        done = load.completed_count()
+        await load.wait_for(lambda: load.completed_count() >= done + measured * load.clients)
+        end = time.monotonic()
+        load.phase = "tail"
+    ended = [o for o in load.outcomes if o.code == "OK" and start <= o.ended <= end]
+    ttfts = [o.ttft for o in load.outcomes if o.phase == "measured" and o.ttft is not None]
+    return {"tokens_per_s": sum(o.tokens for o in ended) / (end - start), "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99), "requests": len(ended),
+            "errors": dict(Counter(o.code for o in load.outcomes if o.code not in ("OK", "")))}

@@ -8,14 +8,22 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 
 import httpx2
 import pytest
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from bench.replicas import Fleet, HttpLoad, Nginx, StreamLoad, nginx_binary, render_template
+from bench.replicas import (
+    Fleet,
+    HttpLoad,
+    Nginx,
+    StreamLoad,
+    kill_under_load,
+    nginx_binary,
+    render_template,
+    roll_under_load,
+)
 from service.client.grpc_client import SERVICE_NAME, Client
 from tests.conftest import SHIPPED_BUNDLE
 
@@ -95,18 +103,8 @@ def test_health_is_not_serving_from_the_start_of_the_drain(fleet):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_rolling_update_loses_no_request(fleet, path):
-    async def run():
-        load = load_on(fleet, path, f"roll-{path}")
-        async with load.running():
-            await load.wait_for(lambda: load.completed_count() >= 2 * CLIENTS)
-            load.phase = "roll"
-            steps = await fleet.roll()
-            load.phase = "after"
-            done = load.completed_count()
-            await load.wait_for(lambda: load.completed_count() >= done + 2 * CLIENTS)
-        return load, steps
-
-    load, steps = asyncio.run(run())
+    load = load_on(fleet, path, f"roll-{path}")
+    steps = asyncio.run(roll_under_load(fleet, load))
     summary = load.summary(fleet.refusals() | fleet.nginx.resent())
     print(json.dumps({"path": path, **summary.to_dict(), "steps": steps}))
     failed = [(o.request_id, o.code, o.phase, o.tokens, round(o.ended - o.sent, 3)) for o in load.outcomes if o.code != "OK"]
@@ -122,22 +120,9 @@ def test_a_killed_replica_fails_only_its_own_streams(fleet, path, error):
     lost its connection; through nginx, INTERNAL: nginx resets the client's stream (RST_STREAM INTERNAL_ERROR)
     when its upstream dies with the response half sent."""
     victim = fleet.replicas[1]
-
-    async def run():
-        load = load_on(fleet, path, f"kill-{path}", new_tokens=64, deadline_s=60.0)
-        async with load.running():
-            await load.wait_for(lambda: load.completed_count() >= CLIENTS)
-            await load.wait_for(lambda: victim.metrics().get("attnserve_requests_running", 0) >= 2)
-            load.phase = "kill"
-            killed_at = time.monotonic()
-            await asyncio.to_thread(victim.kill)
-            load.phase = "after"
-            done = load.completed_count()
-            await load.wait_for(lambda: load.completed_count() >= done + 3 * CLIENTS)
-        return load, killed_at
-
+    load = load_on(fleet, path, f"kill-{path}", new_tokens=64, deadline_s=60.0)
     try:
-        load, killed_at = asyncio.run(run())
+        killed_at = asyncio.run(kill_under_load(load, victim))
     finally:
         victim.start()
         victim.wait_serving()
