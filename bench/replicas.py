@@ -543,16 +543,17 @@ async def kill_under_load(load: _Load, victim: Replica, settle: int = 1, after: 
 
 async def capacity(fleet: Fleet, load: StreamLoad, warm: int = 1, measured: int = 4) -> dict:
     """Tokens/s and TTFT over a window of steady load: from when `warm` requests per client are done until
-    `measured` more per client are; tokens of the requests that ended in the window, TTFT of those sent in it."""
+    `measured` more per client are; tokens of the requests that ended in the window, TTFT of those sent in it,
+    and each replica's share of the calls that ended in it (from its metrics)."""
     async with load.running():
         await load.wait_for(lambda: load.completed_count() >= warm * load.clients)
         load.phase, start = "measured", time.monotonic()
-        done = load.completed_count()
+        done, before = load.completed_count(), fleet.counts("GenerateStream")
         await load.wait_for(lambda: load.completed_count() >= done + measured * load.clients)
-        end = time.monotonic()
+        end, shares = time.monotonic(), fleet.shares(before, "GenerateStream")
         load.phase = "tail"
     ended = [o for o in load.outcomes if o.code == "OK" and start <= o.ended <= end]
     ttfts = [o.ttft for o in load.outcomes if o.phase == "measured" and o.ttft is not None]
     return {"tokens_per_s": sum(o.tokens for o in ended) / (end - start), "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99), "requests": len(ended),
+            "ttft_p99_s": percentile(ttfts, 99), "requests": len(ended), "shares": shares,
             "errors": dict(Counter(o.code for o in load.outcomes if o.code not in ("OK", "")))}

@@ -63,9 +63,7 @@ def measure_capacity(args) -> list[dict]:
                 load = StreamLoad(fleet.grpc_target, round_robin=True, clients=args.clients,
                                   new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, prefix=f"cap{n}")
                 result = asyncio.run(capacity(fleet, load, measured=args.measured))
-                before = {name: 0.0 for name in fleet.counts("GenerateStream")}
-                shares = fleet.shares(before, "GenerateStream")
-            runs[n].append({**result, "threads": threads, "shares": shares})
+            runs[n].append({**result, "threads": threads})
             print(f"round {r + 1}: {n} replica(s) x {threads} thread(s): {result['tokens_per_s']:.0f} tok/s, "
                   f"TTFT p99 {1000 * result['ttft_p99_s']:.0f} ms", flush=True)
     rows = []
@@ -100,7 +98,7 @@ def roll_and_kill(args) -> tuple[list[dict], list[dict]]:
             failed = [o for o in load.outcomes if o.code != "OK"]
             later = [o for o in load.outcomes if o.sent > killed_at]
             kills.append({"path": path, "failed": dict(Counter(o.code for o in failed)),
-                          "failed_with_tokens": sum(1 for o in failed if o.first_token is not None),
+                          "failed_with_tokens": dict(Counter(o.code for o in failed if o.first_token is not None)),
                           "failed_end_after_kill_s_max": max((o.ended - killed_at for o in failed), default=None),
                           "sent_after": len(later), "completed_after": sum(1 for o in later if o.code == "OK")})
             print(f"kill over {path}: {kills[-1]}", flush=True)
@@ -134,11 +132,12 @@ def markdown(r: dict) -> str:
             lines.append(f"| {x['path']} | {x['sent']} | {x['completed']} | {x['retried']} | {x['lost']} | "
                          f"{1000 * x['ttft_p99_s']['steady']:.0f} ms | {1000 * x['ttft_p99_s']['roll']:.0f} ms |")
         lines += ["", "SIGKILL of one replica under the same load (64-token requests):", "",
-                  "| path | its streams ended with | ended within (after the kill) | requests sent after | "
-                  "completed |", "|---|---|---|---|---|"]
+                  "| path | its requests ended with | of which had tokens | ended within (after the kill) | "
+                  "requests sent after | completed |", "|---|---|---|---|---|---|"]
         for k in r["kills"]:
             within = k["failed_end_after_kill_s_max"]
             lines.append(f"| {k['path']} | {', '.join(f'{n} {c}' for c, n in k['failed'].items())} | "
+                         f"{', '.join(f'{n} {c}' for c, n in k['failed_with_tokens'].items())} | "
                          f"{'' if within is None else f'{1000 * within:.0f} ms'} | {k['sent_after']} | "
                          f"{k['completed_after']} |")
     return "\n".join(lines)

@@ -43,7 +43,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 # transport dropped it as it arrived, when a drain closed the port under it) is sent again, up to 5 attempts
 # in all; through round robin, to the next replica. Every call of the API leaves the server as it found it, so
 # sending one again is safe; a stream that has received its first message is never sent again (that would
-# repeat tokens), and a call the client itself cancels is not retried. docs/deploy.md#retries.
+# repeat tokens), and a call the client itself cancels is not retried. docs/deploy.md#retries-and-health-checks.
 RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "1s", "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}
 

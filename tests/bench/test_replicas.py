@@ -113,12 +113,15 @@ def test_a_rolling_update_loses_no_request(fleet, path):
     assert sum(1 for o in load.outcomes if o.phase == "roll" and o.code == "OK") >= CLIENTS  # it ran during the roll
 
 
-@pytest.mark.parametrize(("path", "error"), [("round_robin", "UNAVAILABLE"), ("nginx_grpc", "INTERNAL")])
-def test_a_killed_replica_fails_only_its_own_streams(fleet, path, error):
-    """SIGKILL, no drain: the streams it was sending end with an error at once, none hangs to its deadline, and
-    every request sent after it died completes on the other two. The error is UNAVAILABLE from the channel that
-    lost its connection; through nginx, INTERNAL: nginx resets the client's stream (RST_STREAM INTERNAL_ERROR)
-    when its upstream dies with the response half sent."""
+@pytest.mark.parametrize(("path", "errors"), [("round_robin", {"UNAVAILABLE"}), ("nginx_grpc", {"INTERNAL", "UNAVAILABLE"})])
+def test_a_killed_replica_fails_only_its_own_requests(fleet, path, errors):
+    """SIGKILL, no drain: the requests it held end with an error at once, none hangs to its deadline, and every
+    request sent after it died completes on the other two.
+
+    Round robin: its streams end UNAVAILABLE as the channel loses the connection; a request it had not answered
+    yet is sent again by the retry policy, so only streams that had tokens fail. Through nginx, a stream it was
+    sending ends INTERNAL (nginx resets the client's stream when its upstream dies with the response half sent),
+    and a request it had not answered may end UNAVAILABLE (nginx's 502)."""
     victim = fleet.replicas[1]
     load = load_on(fleet, path, f"kill-{path}", new_tokens=64, deadline_s=60.0)
     try:
@@ -128,9 +131,11 @@ def test_a_killed_replica_fails_only_its_own_streams(fleet, path, error):
         victim.wait_serving()
     failed = [o for o in load.outcomes if o.code != "OK"]
     print(json.dumps({"path": path, **load.summary().to_dict()}))
-    assert failed, "no stream was on the killed replica"
-    assert {o.code for o in failed} == {error}, [(o.request_id, o.code) for o in failed]
-    assert all(o.sent < killed_at and o.first_token is not None for o in failed)  # in flight there, not retried
+    assert failed, "no request was on the killed replica"
+    assert {o.code for o in failed} <= errors, [(o.request_id, o.code) for o in failed]
+    assert all(o.sent < killed_at for o in failed)
+    if path == "round_robin":
+        assert all(o.first_token is not None for o in failed)
     after = [o for o in load.outcomes if o.sent > killed_at]
     assert after and all(o.code == "OK" and o.tokens == 64 for o in after)
 
