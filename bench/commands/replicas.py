@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--measured", type=int, default=4, help="requests per client in the measured window")
+    p.add_argument("--measured", type=int, default=12, help="requests per client in the measured window (a multiple of "
+                   "every replica count: each channel's round robin then gives each replica the same number)")
     p.add_argument("--skip-roll", action="store_true", help="the capacity table alone")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
