@@ -210,7 +210,7 @@ class Fleet:
 # ---- nginx ---------------------------------------------------------------------------------------
 
 def nginx_binary() -> Path:
-    """nginx from the machine, or else Debian's package unpacked into a cache (no root, no service started)."""
+    """nginx from the machine, or else Debian's package unpacked into a cache (no root needed, no service started)."""
     for found in (shutil.which("nginx"), "/usr/sbin/nginx", NGINX_CACHE / "usr" / "sbin" / "nginx"):
         if found and Path(found).is_file() and os.access(found, os.X_OK):
             return Path(found)
@@ -218,6 +218,9 @@ def nginx_binary() -> Path:
         raise RuntimeError("nginx is not installed and apt-get is not here to fetch Debian's package")
     with tempfile.TemporaryDirectory() as tmp:
         got = subprocess.run(["apt-get", "download", "nginx"], cwd=tmp, capture_output=True, text=True)
+        if got.returncode and os.geteuid() == 0:  # the package lists may never have been fetched
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+            got = subprocess.run(["apt-get", "download", "nginx"], cwd=tmp, capture_output=True, text=True)
         debs = list(Path(tmp).glob("nginx_*.deb"))
         if got.returncode or not debs:
             raise RuntimeError(f"apt-get download nginx failed: {got.stderr.strip()[-500:]}")

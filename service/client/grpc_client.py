@@ -125,7 +125,7 @@ def connection_options(args: argparse.Namespace) -> dict:
 class Client:
     """Blocking client. `timeout_s` is each call's deadline unless a call passes its own. `round_robin`: the
     target names every replica (a headless Service), and calls are balanced over the healthy ones
-    (`service_config`). Calls refused with UNAVAILABLE before any response are retried either way."""
+    (`service_config`). Calls that end UNAVAILABLE or CANCELLED before any response are retried either way."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout_s: float | None = None,
                  metadata: Iterable[tuple[str, str]] = (), channel: grpc.Channel | None = None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 
 import httpx2
@@ -38,7 +39,9 @@ NEW_TOKENS = 32
 def fleet(tmp_path_factory):
     try:
         nginx_binary()
-    except RuntimeError as e:
+    except RuntimeError as e:  # CI must run these; elsewhere, say why they did not
+        if os.environ.get("CI"):
+            raise
         pytest.skip(f"no nginx: {e}")
     with Fleet(3, SHIPPED_BUNDLE, ["--threads", "1", "--grace-period-s", "60"],
                workdir=tmp_path_factory.mktemp("fleet")) as fleet, Nginx(fleet) as nginx:
