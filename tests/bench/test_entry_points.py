@@ -38,10 +38,12 @@ QUICK = {
                      "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
     "structured": ["--vocabs", "300", "--sp-vocab", "400", "--code-chars", "0", "--rounds", "1", "--walks", "2",
                    "--out", "{out}"],
+    "replicas": ["--bundle", "{bundle}", "--replicas", "1,2", "--rounds", "1", "--clients", "2", "--new-tokens", "4",
+                 "--measured", "2", "--skip-roll", "--out", "{out}"],  # the roll and the kill: test_replicas.py
     "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--beam", "2",
             "--work", "{out}/work", "--out", "{out}"],
 }
-SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p"}  # start a server, or export a graph with torch
+SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p", "replicas"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
