@@ -74,12 +74,15 @@ def test_calls_are_balanced_per_request(fleet, path):
     async def run():
         load = load_on(fleet, path, f"balance-{path}")
         async with load.running():
-            await load.wait_for(lambda: load.completed_count() >= CLIENTS)  # every channel has met every replica
+            await load.wait_for(lambda: load.completed_count() >= 2 * CLIENTS)  # every channel has met every replica
             before = fleet.counts(method_of(path))
-            await load.wait_for(lambda: load.completed_count() >= 16 * CLIENTS)
+            # each client's round robin is exact over its own calls, give or take the one it is in: 60 calls a
+            # client bound that to a sixtieth of the calls (5% of a third), inside the 10% asked
+            await load.wait_for(lambda: load.completed_count() >= 62 * CLIENTS)
         return load, fleet.shares(before, method_of(path))
 
     load, shares = asyncio.run(run())
+    print(json.dumps({"path": path, "shares": shares}))
     assert load.summary().lost == 0, load.summary()
     for share in shares.values():  # each replica's own count of the calls it finished
         assert abs(share - 1 / 3) <= 0.1 / 3, shares
