@@ -8,7 +8,7 @@
 
 - `Replica`: one server in a child process, on ports fixed for its whole life, so that a replacement
   takes its place as a Deployment's new pod takes an old one's endpoint; its log and its metrics
-  outlive it (`log_path`, `final_metrics`).
+  outlive it (`logs`, `log_records`).
 - `Fleet`: the replicas, `grpc_target` for client-side round robin over all of them, `roll()` and `kill()`.
 - `Nginx`: deploy/nginx/attnserve.conf.template rendered as the nginx image renders it, in front of the
   fleet, with Debian's nginx (unpacked from its package when the machine has none).
@@ -72,7 +72,6 @@ class Replica:
         self.generation = 0  # how many times it was started
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []  # one per start
-        self.final_metrics: list[dict[str, float]] = []  # read just before each stop
 
     @property
     def address(self) -> str:
@@ -113,8 +112,6 @@ class Replica:
     def terminate(self, timeout_s: float = 60.0) -> float:
         """SIGTERM, then wait for the drain to end; returns how long it took."""
         t = time.monotonic()
-        with contextlib.suppress(OSError):
-            self.final_metrics.append(self.metrics())
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout_s)
@@ -450,10 +447,12 @@ class StreamLoad(_Load):
         super().__init__(**kw)
         self.target, self.round_robin = target, round_robin
         self.channels: list[grpc.aio.Channel] = []
+        self.stubs: list[pb_grpc.TextGenerationStub] = []
 
     async def open(self) -> None:
         options = channel_options(self.round_robin)
         self.channels = [grpc.aio.insecure_channel(self.target, options=options) for _ in range(self.clients)]
+        self.stubs = [pb_grpc.TextGenerationStub(ch) for ch in self.channels]
         await asyncio.gather(*(asyncio.wait_for(ch.channel_ready(), 60) for ch in self.channels))
 
     async def close(self) -> None:
@@ -464,7 +463,7 @@ class StreamLoad(_Load):
             prompt_token_ids=self.prompt(c, n), request_id=outcome.request_id,
             sampling=pb.SamplingParams(temperature=0.0),
             stopping=pb.StoppingCriteria(max_new_tokens=self.new_tokens, ignore_eos=True))
-        call = pb_grpc.TextGenerationStub(self.channels[c]).GenerateStream(request, timeout=self.deadline_s)
+        call = self.stubs[c].GenerateStream(request, timeout=self.deadline_s)
         try:
             async for msg in call:
                 got = len(msg.token_ids)
@@ -516,6 +515,22 @@ class HttpLoad(_Load):
 
 
 # ---- what the tests and `attnserve bench replicas` run -------------------------------------------
+
+PATHS = ("round_robin", "nginx_grpc", "nginx_http")  # how clients reach the fleet
+
+
+def load_on(path: str, fleet: Fleet, nginx: Nginx, **kw) -> _Load:
+    """Clients over `path`: the Python client's round robin over every replica, or gRPC or HTTP through nginx."""
+    if path == "round_robin":
+        return StreamLoad(fleet.grpc_target, round_robin=True, **kw)
+    if path == "nginx_grpc":
+        return StreamLoad(nginx.grpc_address, **kw)
+    return HttpLoad(nginx.http_url, **kw)
+
+
+def method_of(path: str) -> str:
+    """The name a replica's metrics count `path`'s calls under."""
+    return "/v1/completions" if path == "nginx_http" else "GenerateStream"
 
 async def roll_under_load(fleet: Fleet, load: _Load, settle: int = 2) -> list[dict]:
     """The load runs; once `settle` requests per client are done, the fleet is rolled; the load runs on until

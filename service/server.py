@@ -59,8 +59,7 @@ class Server:
         self.service = TextGenerationService(self.state)
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
-        self.port = 0
-        self._grpc_started = False
+        self.port = 0  # the gRPC port, once bound (after the model is warm)
         self.http_port = 0
         self.metrics_port = 0
         token = settings.bearer_token()
@@ -112,7 +111,6 @@ class Server:
         if self.port == 0:
             raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
-        self._grpc_started = True
         log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", engine.model.name, engine.runner.graph_name,
                  s.host, self.port, "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
@@ -127,7 +125,7 @@ class Server:
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
         self.state.accepting = False
         await self.health.enter_graceful_shutdown()
-        closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self._grpc_started \
+        closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self.port \
             else None
         log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.state.active, grace_s)
         try:

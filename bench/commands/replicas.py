@@ -28,30 +28,12 @@ from collections import Counter
 from pathlib import Path
 
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
-from bench.replicas import (
-    Fleet,
-    HttpLoad,
-    Nginx,
-    StreamLoad,
-    capacity,
-    kill_under_load,
-    roll_under_load,
-)
+from bench.replicas import PATHS, Fleet, Nginx, StreamLoad, capacity, kill_under_load, load_on, roll_under_load
 from service.engine.config import DEFAULT_BUNDLE
-
-PATHS = ("round_robin", "nginx_grpc", "nginx_http")
 
 
 def threads_for(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // replicas)
-
-
-def load_for(path: str, fleet: Fleet, nginx: Nginx | None, **kw):
-    if path == "round_robin":
-        return StreamLoad(fleet.grpc_target, round_robin=True, **kw)
-    if path == "nginx_grpc":
-        return StreamLoad(nginx.grpc_address, **kw)
-    return HttpLoad(nginx.http_url, **kw)
 
 
 def measure_capacity(args) -> list[dict]:
@@ -82,7 +64,7 @@ def roll_and_kill(args) -> tuple[list[dict], list[dict]]:
     rolls, kills = [], []
     with Fleet(3, args.bundle, ["--threads", "1"]) as fleet, Nginx(fleet) as nginx:
         for path in PATHS:
-            load = load_for(path, fleet, nginx, clients=args.clients, new_tokens=32, prefix=f"roll-{path}")
+            load = load_on(path, fleet, nginx, clients=args.clients, new_tokens=32, prefix=f"roll-{path}")
             steps = asyncio.run(roll_under_load(fleet, load))
             s = load.summary(fleet.refusals() | nginx.resent())
             rolls.append({"path": path, **s.to_dict(), "steps": steps})
@@ -90,7 +72,7 @@ def roll_and_kill(args) -> tuple[list[dict], list[dict]]:
                   flush=True)
         for path in PATHS[:2]:
             victim = fleet.replicas[1]
-            load = load_for(path, fleet, nginx, clients=args.clients, new_tokens=64, prefix=f"kill-{path}",
+            load = load_on(path, fleet, nginx, clients=args.clients, new_tokens=64, prefix=f"kill-{path}",
                             deadline_s=60.0)
             killed_at = asyncio.run(kill_under_load(load, victim))
             victim.start()

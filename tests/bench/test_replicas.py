@@ -16,11 +16,12 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from bench.replicas import (
+    PATHS,
     Fleet,
-    HttpLoad,
     Nginx,
-    StreamLoad,
     kill_under_load,
+    load_on,
+    method_of,
     nginx_binary,
     render_template,
     roll_under_load,
@@ -30,7 +31,6 @@ from tests.conftest import SHIPPED_BUNDLE
 
 pytestmark = pytest.mark.slow
 
-PATHS = ("round_robin", "nginx_grpc", "nginx_http")
 CLIENTS = 32
 NEW_TOKENS = 32
 
@@ -44,22 +44,14 @@ def fleet(tmp_path_factory):
             raise
         pytest.skip(f"no nginx: {e}")
     with Fleet(3, SHIPPED_BUNDLE, ["--threads", "1", "--grace-period-s", "60"],
-               workdir=tmp_path_factory.mktemp("fleet")) as fleet, Nginx(fleet) as nginx:
-        fleet.nginx = nginx
+               workdir=tmp_path_factory.mktemp("fleet")) as fleet:
         yield fleet
 
 
-def load_on(fleet: Fleet, path: str, prefix: str, **kw):
-    kw = {"clients": CLIENTS, "new_tokens": NEW_TOKENS, "prefix": prefix, **kw}
-    if path == "round_robin":
-        return StreamLoad(fleet.grpc_target, round_robin=True, **kw)
-    if path == "nginx_grpc":
-        return StreamLoad(fleet.nginx.grpc_address, **kw)
-    return HttpLoad(fleet.nginx.http_url, **kw)
-
-
-def method_of(path: str) -> str:
-    return "/v1/completions" if path == "nginx_http" else "GenerateStream"
+@pytest.fixture(scope="module")
+def nginx(fleet):
+    with Nginx(fleet) as nginx:
+        yield nginx
 
 
 def test_the_template_renders_as_envsubst_would():
@@ -70,9 +62,9 @@ def test_the_template_renders_as_envsubst_would():
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_calls_are_balanced_per_request(fleet, path):
+def test_calls_are_balanced_per_request(fleet, nginx, path):
     async def run():
-        load = load_on(fleet, path, f"balance-{path}")
+        load = load_on(path, fleet, nginx, clients=CLIENTS, new_tokens=NEW_TOKENS, prefix=f"balance-{path}")
         async with load.running():
             await load.wait_for(lambda: load.completed_count() >= 2 * CLIENTS)  # every channel has met every replica
             before = fleet.counts(method_of(path))
@@ -108,10 +100,10 @@ def test_health_is_not_serving_from_the_start_of_the_drain(fleet):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_rolling_update_loses_no_request(fleet, path):
-    load = load_on(fleet, path, f"roll-{path}")
+def test_a_rolling_update_loses_no_request(fleet, nginx, path):
+    load = load_on(path, fleet, nginx, clients=CLIENTS, new_tokens=NEW_TOKENS, prefix=f"roll-{path}")
     steps = asyncio.run(roll_under_load(fleet, load))
-    summary = load.summary(fleet.refusals() | fleet.nginx.resent())
+    summary = load.summary(fleet.refusals() | nginx.resent())
     print(json.dumps({"path": path, **summary.to_dict(), "steps": steps}))
     failed = [(o.request_id, o.code, o.phase, o.tokens, round(o.ended - o.sent, 3)) for o in load.outcomes if o.code != "OK"]
     assert summary.failed == {} and summary.short == 0, (summary, failed[:10])
@@ -120,7 +112,7 @@ def test_a_rolling_update_loses_no_request(fleet, path):
 
 
 @pytest.mark.parametrize(("path", "errors"), [("round_robin", {"UNAVAILABLE"}), ("nginx_grpc", {"INTERNAL", "UNAVAILABLE"})])
-def test_a_killed_replica_fails_only_its_own_requests(fleet, path, errors):
+def test_a_killed_replica_fails_only_its_own_requests(fleet, nginx, path, errors):
     """SIGKILL, no drain: the requests it held end with an error at once, none hangs to its deadline, and every
     request sent after it died completes on the other two.
 
@@ -129,7 +121,7 @@ def test_a_killed_replica_fails_only_its_own_requests(fleet, path, errors):
     sending ends INTERNAL (nginx resets the client's stream when its upstream dies with the response half sent),
     and a request it had not answered may end UNAVAILABLE (nginx's 502)."""
     victim = fleet.replicas[1]
-    load = load_on(fleet, path, f"kill-{path}", new_tokens=64, deadline_s=60.0)
+    load = load_on(path, fleet, nginx, clients=CLIENTS, new_tokens=64, prefix=f"kill-{path}", deadline_s=60.0)
     try:
         killed_at = asyncio.run(kill_under_load(load, victim))
     finally:
@@ -146,12 +138,12 @@ def test_a_killed_replica_fails_only_its_own_requests(fleet, path, errors):
     assert after and all(o.code == "OK" and o.tokens == 64 for o in after)
 
 
-def test_nginx_passes_server_sent_events_through_unbuffered(fleet):
+def test_nginx_passes_server_sent_events_through_unbuffered(nginx):
     """A buffering proxy holds a stream's events until its buffer (4 KiB and up) fills or the response ends: this
     stream's events (under 4 KiB in all) would then reach the client in one read."""
     body = {"prompt": [3, 4, 5], "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx2.Client(base_url=fleet.nginx.http_url, timeout=60) as client:
+    with httpx2.Client(base_url=nginx.http_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             chunks = list(r.iter_raw())
