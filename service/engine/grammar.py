@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import Constraint
@@ -88,8 +89,7 @@ class Grammars:
         with self._lock:
             if self._ll_tokenizer is None and self._unusable is None:
                 try:
-                    self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                                eos_token=self._eos or None)
+                    self._ll_tokenizer = _vocabulary(self._tokenizer_json, self.vocab_size, self._eos)
                 except ValueError as e:
                     self._unusable = _short(e)
             if self._ll_tokenizer is None:
@@ -131,6 +131,44 @@ class Grammars:
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(address + i * row_bytes, row_bytes)
         return bitmask
+
+
+class _TextTokenizer:
+    """The vocabulary as llguidance's `TokenizerWrapper` reads it: every id's bytes, the special ids, and a
+    tokenize for the text a grammar forces that never yields a special token."""
+
+    def __init__(self, read: llguidance.LLTokenizer, tokens: list[bytes], special: set[int], eos: Sequence[int]):
+        self._read = read
+        self._special = special
+        self.tokens = tokens
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._read.tokenize_str(text)  # the tokenizer's own split (SentencePiece's prefix space handled)
+        if self._special.isdisjoint(ids):
+            return ids
+        # text that spells a special token ("<|im_end|>" inside a JSON string) is written in ordinary tokens
+        return self._read.greedy_tokenize(text)
+
+
+def _vocabulary(tokenizer_json: str, vocab_size: int, eos: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary, with the same tokens allowed by the mask and by the matcher.
+
+    Read from tokenizer.json alone, llguidance takes every added token for a special one, a token no grammar
+    can write, yet the tokenizer it uses for the text a grammar forces spells `<tool_call>` with Qwen2.5's
+    added token: the mask then offers that token and the matcher refuses it. Here an added token that is not
+    special is the text it stands for, as transformers decodes it; a special token, and every id past the
+    tokenizer's (a padded vocabulary), is special, and so never allowed inside a constraint (EOS only where
+    the grammar may end)."""
+    read = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size)  # bytes per token, for any layout
+    hf = HFTokenizer.from_str(tokenizer_json)
+    known = hf.get_vocab_size(with_added_tokens=True)
+    special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special} | set(range(known, vocab_size))
+    tokens = [b"" if i >= known else read.decode_bytes([i]) for i in range(vocab_size)]
+    wrapper = llguidance.TokenizerWrapper(_TextTokenizer(read, tokens, special, eos))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos) or None)
 
 
 def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
