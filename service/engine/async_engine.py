@@ -342,6 +342,8 @@ class AsyncEngine:
             self._published = Published(engine.stats(), taken)
             self._deliver(out)
             if stopping and not engine.has_work:
+                if engine.speculation is not None:  # what speculating gave over the engine's life, in the log
+                    engine.speculation.report()
                 return
 
     def _take(self, wait: bool) -> list[tuple[str, object]]:

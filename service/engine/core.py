@@ -44,7 +44,7 @@ from service.engine.request import EngineLimits, Generated, GenerationRequest, T
 from service.engine.sampler import SamplingBatch, SamplingState, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
-from service.engine.speculative_step import SpeculativeStep
+from service.engine.speculative_step import SpeculationStats, SpeculativeStep
 from service.runtime.graph_choice import open_serving_graph
 from service.runtime.static_runner import StaticRunner
 
@@ -68,6 +68,7 @@ class EngineStats:
     prefix_queried_tokens: int  # prompt tokens of admitted requests looked up in the prefix cache, since start
     prefix_hit_tokens: int  # of those, found there (their keys and values copied, not computed)
     prefix_cache_bytes: int  # memory of the prefix cache, allocated once (0 when it is off)
+    speculation: SpeculationStats  # speculative decoding's drafts and tokens since start (all 0 when it is off)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, m.vocab_size, sorted(self.eos_ids))  # structured output
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
-        self.speculation = self._speculation(config)
+        self.speculation = SpeculativeStep.of(self, config)
         self.beams = BeamStep(self)
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
@@ -126,13 +127,6 @@ class Engine:
                  self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes,
                  f"prefix cache: {self.prefixes.n_blocks} blocks x {self.prefixes.block_tokens} positions, "
                  f"{self.prefixes.nbytes / 2**20:.1f} MiB" if self.prefixes else "prefix caching off")
-
-    def _speculation(self, config: EngineConfig) -> SpeculativeStep | None:
-        if config.speculative == "off":
-            return None
-        if self.encoder_decoder:
-            raise ValueError("speculative decoding serves decoder-only models; this bundle is an encoder-decoder")
-        return SpeculativeStep(self, config.speculative_tokens)
 
     def warm_up(self) -> None:
         """Run the model at every decode batch size it will see (before any request is added):
@@ -448,4 +442,5 @@ class Engine:
                            kv_bytes=self.kv.nbytes, tokens_per_s=self._recent_rate(time.monotonic()),
                            generated_tokens=self.generated_tokens, steps=self.steps,
                            prefix_queried_tokens=p.queried_tokens if p else 0,
-                           prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cache_bytes=p.nbytes if p else 0)
+                           prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cache_bytes=p.nbytes if p else 0,
+                           speculation=self.speculation.stats() if self.speculation else SpeculationStats())

@@ -1,6 +1,6 @@
 """The output step: each sampled token appended to its sequence, checked against the stop conditions,
 emitted as a `TokenEvent`, and the sequence fed to the next decode or finished (its slot freed; the
-request ends with its last sequence).
+request ends with its last sequence). A sequence's last event carries its speculative decoding counts.
 
     step = OutputStep(scheduler, eos_ids, end)          # end(request_state, error) ends a request
     outputs = step.update(seq, token, logprob, top, now)
@@ -42,6 +42,8 @@ class OutputStep:
         event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now)
         if len(seq.output_ids) == 1:
             event.prompt_logprobs = state.prompt_logprobs
+        if reason is not None and seq.speculation is not None:
+            event.draft_tokens, event.accepted_draft_tokens = seq.speculation.proposed, seq.speculation.accepted
         out: list[Output] = [(state, event)]
         if reason is None:
             self.scheduler.feed(seq, token)

@@ -316,6 +316,10 @@ class TokenEvent:
     # token, the first token's (None, None) (`service.engine.prompt_logprobs`)
     prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
     beam_score: float | None = None  # on a beam search completion's last event: its hypothesis's score
+    # on a sequence's last event: the draft tokens speculative decoding had the model check for it, and of those
+    # the ones it kept (they are among the sequence's tokens); 0 when it did not speculate
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass

@@ -41,14 +41,17 @@ ACCEPTANCE_MEMORY = 0.7  # weight of the previous estimate in each update (the r
 
 @dataclass
 class Speculation:
-    """One sequence's speculative decoding: its estimate of the share of its drafts the target keeps, and
-    its prompt lookup. Made at the sequence's first speculative step."""
+    """One sequence's speculative decoding: its estimate of the share of its drafts the target keeps, its
+    prompt lookup, and its counts (its last event reports them). Made at the sequence's first speculative step."""
 
     acceptance: float
     index: NgramIndex
+    proposed: int = 0  # draft tokens the target checked
+    accepted: int = 0  # of those, the ones it kept and the sequence emitted (the output step counts them)
 
     def record(self, proposed: int, kept: int) -> None:
         self.acceptance = averaged(self.acceptance, kept / proposed)
+        self.proposed += proposed
 
 
 def averaged(estimate: float, share: float) -> float:

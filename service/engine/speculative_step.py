@@ -3,10 +3,11 @@ row that does (its fed token and drafts, `StaticRunner.prefill` from the row's l
 for the rest, and each row's kept tokens through the output step. onnxruntime's attention continues a
 cache with several tokens for one row at a time, hence a call per speculating row.
 
-    step = SpeculativeStep(engine, max_tokens=4)
+    step = SpeculativeStep.of(engine, config)   # None when config.speculative is "off"
     step.calibrate()                       # at warm-up: the model's call times by rows and tokens per row
     drafts = step.plan(decode)             # {row: drafts}; empty when decoding as usual costs less
     outputs = step.run(decode, drafts)
+    step.stats()                           # drafts, draft tokens and accepted tokens since start
 
 The policy (docs/speculative.md): each sequence keeps an estimate `a` of the share of its drafts the
 target kept (an exponential average over its recent steps); a row that proposes k tokens then yields
@@ -15,15 +16,20 @@ per second of its verification call; the step then speculates only if the batch'
 second beat a plain decode's, counting a call per speculating row (and the decode of the others). The
 seconds are the call times measured at start-up, so speculation stops by itself where the calls cost
 more than the drafts yield: in practice beyond a batch of one or two.
+
+A draft token counts as accepted when the target kept it and the sequence emitted it (a stop met before
+it drops it): the engine's counters and each sequence's (`Speculation`, on its last event) count alike.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from service.engine.config import EngineConfig
 from service.engine.grammar import allowed
 from service.engine.request import TokenEvent
 from service.engine.sampler import SamplingBatch, sample, with_logprobs
@@ -46,7 +52,29 @@ TRIAL_EVERY = 16  # steps a losing speculation sits out before it is tried again
 LONGEST_SIT_OUT = 512  # ... doubling after each trial it loses, up to this
 
 
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Speculative decoding since the engine started, as its snapshot carries it (all 0 when it is off)."""
+
+    drafts: int = 0  # drafts the target checked: one per speculating row and step
+    draft_tokens: int = 0  # their tokens
+    accepted_tokens: int = 0  # of those, the ones the target kept and the sequences emitted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
 class SpeculativeStep:
+    @classmethod
+    def of(cls, engine, config: EngineConfig) -> SpeculativeStep | None:
+        """The engine's speculative step as `config` asks for it (None: off)."""
+        if config.speculative == "off":
+            return None
+        if engine.encoder_decoder:
+            raise ValueError("speculative decoding serves decoder-only models; this bundle is an encoder-decoder")
+        return cls(engine, config.speculative_tokens)
+
     def __init__(self, engine, max_tokens: int):
         self.engine = engine
         self.max_tokens = max_tokens  # drafts per row at most
@@ -60,8 +88,18 @@ class SpeculativeStep:
         self.trial_every = TRIAL_EVERY
         self.measure_rates = True  # False: the call times alone decide (the tests' deterministic engines)
         self.acceptance = FIRST_ACCEPTANCE  # over every sequence's recent drafts: a new sequence starts from it
-        # since start: drafts checked, drafts kept, decode calls (plain or verifying), tokens they gave
-        self.proposed = self.accepted = self.calls = self.tokens = 0
+        # since start: drafts checked, their tokens, of those the ones kept and emitted, decode calls (plain or
+        # verifying), tokens they gave
+        self.drafts = self.proposed = self.accepted = self.calls = self.tokens = 0
+
+    def stats(self) -> SpeculationStats:
+        return SpeculationStats(self.drafts, self.proposed, self.accepted)
+
+    def report(self) -> None:
+        """Log the counts since start in one line (`AsyncEngine` does when its thread stops)."""
+        s = self.stats()
+        log.info("speculative decoding: %d drafts, %d draft tokens proposed, %d accepted (acceptance rate %.1f%%)",
+                 s.drafts, s.draft_tokens, s.accepted_tokens, 100 * s.acceptance_rate)
 
     # ---- the policy ------------------------------------------------------------------------------
 
@@ -194,10 +232,13 @@ class SpeculativeStep:
             if i in drafts:
                 seq.speculation.record(len(drafts[i]), verdict.kept)
                 self.acceptance = averaged(self.acceptance, verdict.kept / len(drafts[i]))
+                self.drafts += 1
                 self.proposed += len(drafts[i])
-                self.accepted += verdict.kept
             scored = self._logprobs(logits[i][:len(verdict.tokens)], verdict.tokens, seq)
             for j, token in enumerate(verdict.tokens):
+                if j < verdict.kept:  # counted before its event, which may be the sequence's last and report it
+                    seq.speculation.accepted += 1
+                    self.accepted += 1
                 logprob = None if scored.logprobs[j] != scored.logprobs[j] else float(scored.logprobs[j])  # NaN: none
                 out += e.output.update(seq, token, logprob, scored.top(j, seq.request.top_logprobs), now)
                 self.tokens += 1

@@ -7,6 +7,7 @@
     stream_cadence.py  how many tokens a stream message carries and how long it waits for them
     call.py            one call's request id, metrics and closing log line
     token_texts.py     each token's text for logprobs, as gRPC and as OpenAI name it
+    draft_counts.py    a call's speculative decoding counts for its usage, summed over its sequences
     validation.py      one statement of every request field's range, used by every front
     auth.py            the bearer token check and PEM reading
     status.py          engine errors -> each protocol's status codes, the one table

@@ -1,8 +1,9 @@
 """Prometheus metrics, served over HTTP on their own port (`metrics_port`) at /metrics.
 
-Latency histograms are observed by each front as its requests progress (`front_state.Call`); the gauges read the
-engine's latest snapshot when Prometheus scrapes, so they cost nothing between scrapes. Each
-`Metrics` has its own registry, so several servers can live in one process (tests do).
+Latency histograms are observed by each front as its requests progress (`call.Call`); the gauges and the
+engine's own counters (prefix cache, speculative decoding) read the engine's latest snapshot when Prometheus
+scrapes, so they cost nothing between scrapes. Each `Metrics` has its own registry, so several servers can live
+in one process (tests do).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Metrics:
         self.requests_waiting.set_function(lambda: stats().waiting_requests)
         self.kv_cache_usage.set_function(lambda: _usage(stats()))
         self.prefix_cache_hit_rate.set_function(lambda: _hit_rate(stats()))
-        self.registry.register(_PrefixCacheCounters(stats))
+        self.registry.register(_EngineCounters(stats))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server on a daemon thread; returns the bound port."""
@@ -110,8 +111,9 @@ def _hit_rate(s: EngineStats) -> float:
     return s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
 
 
-class _PrefixCacheCounters(Collector):
-    """The prefix cache's token counters, read from the engine's snapshot at scrape time (for rate())."""
+class _EngineCounters(Collector):
+    """The engine's counters (prefix cache, speculative decoding), read from its snapshot at scrape time (for
+    rate()); speculative decoding's stay 0 while it is off."""
 
     def __init__(self, stats: Callable[[], EngineStats]):
         self.stats = stats
@@ -122,3 +124,10 @@ class _PrefixCacheCounters(Collector):
                                   "looked up in the prefix cache", value=s.prefix_queried_tokens)
         yield CounterMetricFamily("attnserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
                                   "(keys and values copied, not computed)", value=s.prefix_hit_tokens)
+        spec = s.speculation
+        yield CounterMetricFamily("attnserve_spec_decode_drafts", "Drafts speculative decoding had the model check "
+                                  "(one per sequence and step)", value=spec.drafts)
+        yield CounterMetricFamily("attnserve_spec_decode_draft_tokens", "Draft tokens speculative decoding had the "
+                                  "model check", value=spec.draft_tokens)
+        yield CounterMetricFamily("attnserve_spec_decode_accepted_tokens", "Draft tokens the model kept (emitted "
+                                  "without a model call of their own)", value=spec.accepted_tokens)

@@ -3,15 +3,19 @@ against the same engine with it off (the same tokens and logprobs, greedy; the s
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 
 import numpy as np
 import pytest
 
+from service.engine.async_engine import AsyncEngine
 from service.engine.request import Constraint, GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.sampler import SamplingState
 from service.engine.speculative import NgramIndex, Speculation, accept, expected_tokens
-from tests.engine.harness import drive, greedy, random_prompt, sampled
+from service.engine.speculative_step import SpeculationStats
+from tests.engine.harness import drive, eager_speculation, greedy, random_prompt, sampled
 
 # ---- the proposer and the rule ---------------------------------------------------------------------------
 
@@ -124,14 +128,12 @@ def repetitive_prompt(rng: np.random.Generator, length: int = 24) -> list[int]:
 
 @pytest.fixture
 def pair(make_engine):
-    """(speculation off, speculation on) engines on the same bundle. The second one's measured call times
-    are replaced by a verification that costs nothing, so that it speculates whenever it has drafts (on a
-    tiny model a call costs its fixed overhead, and the policy would rarely find speculating worth it)."""
+    """(speculation off, speculation on) engines on the same bundle; the second speculates whenever it has
+    drafts (`eager_speculation`)."""
     off = make_engine()
     on = make_engine(speculative="ngram", speculative_tokens=5)
+    eager_speculation(on)
     on.warm_up()
-    on.speculation.verify_seconds[1:] = 1e-9
-    on.speculation.measure_rates = False  # and the rates it measures never hold it back
     return off, on
 
 
@@ -154,6 +156,57 @@ def test_greedy_output_is_the_same_tokens_alone_and_batched(pair):
             assert on.tokens(f"r{i}") == off.tokens(f"r{i}")
             assert _logprobs(on, f"r{i}") == pytest.approx(_logprobs(off, f"r{i}"), abs=1e-4)
     assert pair[1].speculation.proposed > 0 and pair[1].speculation.accepted > 0  # it did speculate
+
+
+def test_each_sequence_reports_its_draft_counts_and_they_sum_to_the_engines(pair):
+    """A sequence's last event carries the draft tokens the target checked for it and, of those, the ones it kept
+    and the sequence emitted; over every sequence they are the engine's counters, which its snapshot carries.
+    Without speculation (off, or a request that leaves it) they are 0."""
+    off, on = pair
+    rng = np.random.default_rng(6)
+    prompts = [repetitive_prompt(rng, 30) for _ in range(3)]
+
+    def requests():
+        quiet = greedy("quiet", prompts[0], max_new=20)
+        quiet.speculative = False
+        return [greedy("g", prompts[0], max_new=40), greedy("stop", prompts[1], max_new=40, stop_token_ids=[prompts[1][4]]),
+                sampled("n", prompts[2], max_new=30, seed=3, n=2), quiet]
+    run = drive(on, requests())
+    last = {key: events[-1] for key, events in run.events.items()}
+    proposed = sum(e.draft_tokens for e in last.values())
+    accepted = sum(e.accepted_draft_tokens for e in last.values())
+    counters = on.stats().speculation
+    assert (counters.draft_tokens, counters.accepted_tokens) == (proposed, accepted)
+    assert proposed >= accepted > 0 and counters.drafts > 0
+    assert counters.acceptance_rate == accepted / proposed
+    for key, events in run.events.items():
+        assert all(e.draft_tokens == e.accepted_draft_tokens == 0 for e in events[:-1]), key
+        assert last[key].accepted_draft_tokens < len(events), key  # kept drafts are among its tokens, never the first
+    assert last[("quiet", 0)].draft_tokens == 0
+    plain = drive(off, requests())
+    assert all(e.draft_tokens == e.accepted_draft_tokens == 0 for events in plain.events.values() for e in events)
+    assert off.stats().speculation == SpeculationStats()
+
+
+def test_the_engine_thread_logs_the_acceptance_rate_when_it_stops_if_it_speculated(pair, caplog):
+    async def one_request_then_shutdown(engine: AsyncEngine):
+        engine.start()
+        async for _ in engine.submit(greedy("r", repetitive_prompt(np.random.default_rng(6), 30), max_new=30)):
+            pass
+        await engine.shutdown()
+
+    for sync_engine in pair:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="service.engine.speculative_step"):
+            asyncio.run(one_request_then_shutdown(AsyncEngine(sync_engine.config, engine=sync_engine)))
+        lines = [m for m in caplog.messages if m.startswith("speculative decoding:")]
+        s = sync_engine.stats().speculation
+        if sync_engine.speculation is None:
+            assert lines == []
+            continue
+        assert s.draft_tokens > 0
+        assert lines == [f"speculative decoding: {s.drafts} drafts, {s.draft_tokens} draft tokens proposed, "
+                         f"{s.accepted_tokens} accepted (acceptance rate {100 * s.acceptance_rate:.1f}%)"]
 
 
 def test_stop_conditions_penalties_and_grammars_apply_to_every_kept_token(pair, engine_model):

@@ -99,7 +99,7 @@ def test_caps_that_cannot_fit_the_hard_limit_are_lowered_with_a_warning(nofile, 
 
 
 def test_a_large_response_encoded_a_choice_at_a_time_is_the_same_json():
-    from service.fronts.http.openai_responses import json_pieces
+    from service.fronts.http.response_streams import json_pieces
 
     response = {"id": "cmpl-1", "object": "text_completion", "choices": [
         {"index": i, "text": f"é\"{i}", "logprobs": {"top_logprobs": [{"a": -1.5}]}} for i in range(5)],

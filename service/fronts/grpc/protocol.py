@@ -19,6 +19,7 @@ from attnserve.v1 import generate_pb2 as pb
 from service.engine.errors import InvalidRequest
 from service.engine.request import BeamParams, Constraint, FinishReason, TokenEvent
 from service.engine.sequence import Timing
+from service.fronts.draft_counts import DraftCounts
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
 
@@ -106,14 +107,16 @@ def prompt_logprobs(accepted: AcceptedRequest, event: TokenEvent, texts: TokenTe
     return [_token_logprob(t, lp, top, texts) for t, (lp, top) in pairs if lp is not None]
 
 
-def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing) -> pb.Usage:
+def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int, timing: Timing,
+          drafts: DraftCounts) -> pb.Usage:
     """Counts and timings; `events_time` is when the last token was produced."""
     arrival = timing.arrival
     queue = (timing.scheduled_at or events_time) - arrival
     ttft = (timing.first_token_at or events_time) - arrival
     return pb.Usage(prompt_tokens=len(accepted.request.prompt_token_ids), completion_tokens=completion_tokens,
                     queue_ms=1000 * queue, ttft_ms=1000 * ttft, total_ms=1000 * (events_time - arrival),
-                    cached_prompt_tokens=timing.cached_tokens)
+                    cached_prompt_tokens=timing.cached_tokens, draft_tokens=drafts.proposed,
+                    accepted_draft_tokens=drafts.accepted)
 
 
 @dataclass
@@ -123,6 +126,7 @@ class StreamState:
     started: set[int] = field(default_factory=set)  # indices whose first message went out (for echo)
     prompt_logprobs_sent: bool = False  # they go out once, in the request's first message
     completion_tokens: int = 0
+    drafts: DraftCounts = field(default_factory=DraftCounts)  # of the sequences that have ended
 
 
 def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
@@ -151,8 +155,9 @@ def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: 
             msg.beam_score = evs[-1].beam_score
         out.append(msg)
     sent.completion_tokens += len(events)
+    sent.drafts.add(events)
     if last and out:
-        out[-1].usage.CopyFrom(usage(accepted, events[-1].time, sent.completion_tokens, timing))
+        out[-1].usage.CopyFrom(usage(accepted, events[-1].time, sent.completion_tokens, timing, sent.drafts))
     return out
 
 
@@ -170,8 +175,10 @@ class Collector:
         self._scores: list[float | None] = [None] * n  # a beam search's hypothesis scores
         self._last_time = 0.0
         self._prompt_logprobs: list[pb.TokenLogprob] = []
+        self._drafts = DraftCounts()
 
     def add(self, events: list[TokenEvent]) -> None:
+        self._drafts.add(events)
         for e in events:
             if e.prompt_logprobs is not None and not self._prompt_logprobs:
                 self._prompt_logprobs = prompt_logprobs(self.accepted, e, self.texts)
@@ -192,5 +199,5 @@ class Collector:
                        for i in range(self.accepted.request.n)]
         tokens = sum(len(ids) for ids in self._ids)
         return pb.GenerateResponse(request_id=self.accepted.request_id, completions=completions,
-                                   usage=usage(self.accepted, self._last_time, tokens, timing),
+                                   usage=usage(self.accepted, self._last_time, tokens, timing, self._drafts),
                                    prompt_logprobs=self._prompt_logprobs)

@@ -6,6 +6,7 @@
     bearer_guard.py      the bearer-token check, before the application reads a request
     openai_schema.py     the request bodies (types only; ranges are the engine's, via fronts/validation.py)
     openai_responses.py  engine events -> OpenAI's response bodies and server-sent-event chunks
+    response_streams.py  a body sent as server-sent events, or as JSON a choice at a time
     listener.py          uvicorn in the server's event loop, beside gRPC
     connections.py       connections as a bounded resource: a cap, deadlines to speak and to read
     json_body.py         request bodies as JSON, their size in arrays, objects and values bounded before parsing

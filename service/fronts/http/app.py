@@ -34,17 +34,10 @@ from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
 from service.fronts.http.bearer_guard import BearerGuard
 from service.fronts.http.errors import HttpError, error_body, error_response, renamed
-from service.fronts.http.openai_responses import (
-    DONE,
-    ChatBuilder,
-    CompletionBuilder,
-    ResponseBuilder,
-    SSEResponse,
-    json_pieces,
-    sse,
-)
+from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
+from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
 from service.fronts.http.structured import constraint_of
 from service.fronts.status import HttpStatus, http_status_for
 from service.fronts.tool_calls import ToolUse
