@@ -115,3 +115,16 @@ def test_a_field_the_table_does_not_list_is_refused_by_name(api, endpoint, field
     with pytest.raises(openai.BadRequestError) as e:
         post(api, endpoint, {field: 1})
     assert e.value.body["param"] == field and "not a field this server implements" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("field, value, expected", [
+    ("top_p", "0.9", 'must be a number; got "0.9"'), ("temperature", "0.8", 'must be a number; got "0.8"'),
+    ("max_tokens", 1.5, "must be an integer; got 1.5"), ("n", "2", 'must be an integer; got "2"'),
+])
+def test_a_value_of_the_wrong_type_is_a_400_naming_the_type_the_field_takes(api, endpoint, field, value, expected):
+    """Every field is walked without a server in tests/fronts/test_field_types.py; these go over HTTP."""
+    with pytest.raises(openai.BadRequestError) as e:
+        post(api, endpoint, {field: value})
+    assert e.value.body == {"message": f"{field}: {expected}", "type": "invalid_request_error", "param": field,
+                            "code": None}

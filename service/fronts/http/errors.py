@@ -9,10 +9,11 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 from service.engine.errors import InvalidRequest
+from service.fronts.http.field_types import wrong_type
 from service.fronts.status import HttpStatus
 
 ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
@@ -52,8 +53,14 @@ def renamed(error: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
     return InvalidRequest(param, message)
 
 
-def schema_error(error: ValidationError) -> InvalidRequest:
-    """pydantic's first complaint about a body, naming the field as the request spells it."""
+def schema_error(error: ValidationError, schema: type[BaseModel], data: Any) -> InvalidRequest:
+    """What is wrong with `data`, a body that `schema` refused, naming the field as the request spells it: a
+    value of a JSON type its field does not take, told the type the field takes (`field_types`), found
+    first because it is the common case and pydantic may list one error per item of a long array;
+    else pydantic's first complaint."""
+    wrong = wrong_type(schema, data)
+    if wrong is not None:
+        return InvalidRequest(wrong.path or "body", f"must be {wrong.expected}; got {_shown(wrong.value)}")
     err = error.errors()[0]
     path = ""
     for part in err["loc"]:
@@ -63,13 +70,17 @@ def schema_error(error: ValidationError) -> InvalidRequest:
             path += ("." if path else "") + part
     if not path:
         return InvalidRequest("body", "must be a JSON object")
-    got = json.dumps(err.get("input"), ensure_ascii=False, default=str)
-    got = got if len(got) <= 80 else got[:77] + "..."
     if err["type"] == "extra_forbidden":
         return InvalidRequest(path, "is not a field this server implements; remove it (docs/api.md lists "
                               "every field and what the server does with it)")
-    message = err["msg"] if err["type"] != "missing" else "is required"
-    return InvalidRequest(path, f"{message}" + (f"; got {got}" if err["type"] != "missing" else ""))
+    if err["type"] == "missing":
+        return InvalidRequest(path, "is required")
+    return InvalidRequest(path, f"{err['msg']}; got {_shown(err.get('input'))}")
+
+
+def _shown(value: Any) -> str:
+    shown = json.dumps(value, ensure_ascii=False, default=str)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 class HttpError(Exception):

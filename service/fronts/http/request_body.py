@@ -48,13 +48,19 @@ async def read_body(request: Request, schema: type[BaseModel], state: FrontState
             else "")
     data = await json_body.parse(b"".join(chunks), hint)
     check_counts(data, state)
-    try:
-        body = schema.model_validate(data)
-    except ValidationError as e:
-        raise schema_error(e) from None
+    body = validated(schema, data)
     check_model(body.model, state)
     body.refuse_unsupported()
     return body, size
+
+
+def validated(schema: type[BaseModel], data: Any) -> Any:
+    """`data` (parsed JSON) as `schema`; else InvalidRequest naming the first bad field as the client spells
+    it, with its value and what the field takes (`errors.schema_error`)."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise schema_error(e, schema, data) from None
 
 
 def check_counts(data: Any, state: FrontState) -> None:
