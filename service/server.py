@@ -8,7 +8,8 @@ Both fronts run in this process's one event loop, on the one engine (`FrontState
 queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle -> warm up ->
 open the gRPC port, SERVING. On SIGTERM or SIGINT: health NOT_SERVING, the gRPC port closes to new calls
 and new HTTP requests get 503, requests in flight on either front get `grace_period_s` to finish, then
-the process exits 0.
+the process exits 0. A second SIGTERM or SIGINT during the drain ends the requests still in flight at
+once, with the error the end of the grace period would have given them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Server:
         self.service = TextGenerationService(self.state)
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
+        self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
         self.port = 0  # the gRPC port, once bound (after the model is warm)
         self.http_port = 0
         self.metrics_port = 0
@@ -128,16 +130,7 @@ class Server:
         closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self.port \
             else None
         log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.state.active, grace_s)
-        try:
-            if self.state.active:
-                await asyncio.wait_for(self.state.idle.wait(), timeout=grace_s)
-        except TimeoutError:
-            log.warning("grace period over with %d request(s) in flight; ending them", self.state.active)
-            if self._engine is not None:
-                self._engine.end_all(EngineStopped(f"the server stopped before the request finished (its "
-                                                   f"grace period of {grace_s:g} s for requests in flight is over)"))
-                with contextlib.suppress(TimeoutError):  # each front sends its error (UNAVAILABLE, 503)
-                    await asyncio.wait_for(self.state.idle.wait(), timeout=END_WAIT_S)
+        await self._finish_in_flight(grace_s)
         if self.http is not None:
             await self.http.stop()
         if closing is not None:
@@ -147,6 +140,34 @@ class Server:
             await self._engine.shutdown()
         self.metrics.close()
         log.info("stopped")
+
+    def cut_short(self) -> None:
+        """End the drain now (a second SIGTERM or SIGINT): the requests in flight, running or queued, get the
+        error they would get when the grace period is over, and the server stops without waiting for it.
+        Called before `drain`, it makes the drain end at once whatever is in flight."""
+        if not self._cut_short.is_set():
+            log.warning("second signal: stopping now, %d request(s) cut off", self.state.active)
+            self._cut_short.set()
+
+    async def _finish_in_flight(self, grace_s: float) -> None:
+        """Wait for the requests in flight for up to `grace_s`, or until `cut_short`; end those left with
+        `EngineStopped` (gRPC UNAVAILABLE, HTTP 503) and give the fronts `END_WAIT_S` to deliver it."""
+        if self.state.active:
+            waits = [asyncio.ensure_future(event.wait()) for event in (self.state.idle, self._cut_short)]
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+        if not self.state.active:
+            return
+        if self._cut_short.is_set():
+            why = "a second SIGTERM or SIGINT cut its drain short"
+        else:
+            log.warning("grace period over with %d request(s) in flight; ending them", self.state.active)
+            why = f"its grace period of {grace_s:g} s for requests in flight is over"
+        if self._engine is not None:
+            self._engine.end_all(EngineStopped(f"the server stopped before the request finished ({why})"))
+            with contextlib.suppress(TimeoutError):  # each front sends its error (UNAVAILABLE, 503)
+                await asyncio.wait_for(self.state.idle.wait(), timeout=END_WAIT_S)
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -174,9 +195,17 @@ async def rehearse(engine: AsyncEngine) -> None:
 async def serve(settings: ServerSettings) -> int:
     server = Server(settings)
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():  # the operator will not wait for the drain
+            server.cut_short()
+            return
+        log.info("%s received; a second SIGTERM or SIGINT ends the drain at once", sig.name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     starting = asyncio.create_task(server.start())
     stopping = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -190,7 +219,6 @@ async def serve(settings: ServerSettings) -> int:
         log.error("start-up failed: %s", error)
         return 1
     await stopping
-    log.info("signal received")
     if not starting.done():
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

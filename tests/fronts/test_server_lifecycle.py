@@ -4,6 +4,7 @@ The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.v1 import generate_pb2 as pb
+from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service.client import Client, build_request
 from tests.engine.harness import Gate
 from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until
@@ -122,13 +124,13 @@ def test_drain_ends_what_outlives_the_grace_period_with_an_error_on_both_fronts(
 
 
 # decode slowed so that running requests are still running when a test looks (40 tokens: 2 s), even
-# on a loaded machine
+# on a loaded machine; SLOW_DECODE_S slows it more
 SLOW_SERVER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from service.runtime.static_runner import StaticRunner
     decode = StaticRunner.decode
     def slow(self, ids, positions):
-        time.sleep(0.05)
+        time.sleep(float(os.environ.get("SLOW_DECODE_S", "0.05")))
         return decode(self, ids, positions)
     StaticRunner.decode = slow
     from service.server import main
@@ -136,23 +138,24 @@ SLOW_SERVER = textwrap.dedent("""
 """)
 
 
-def start_process(bundle: Path, port: int, *extra: str) -> subprocess.Popen:
-    """`attnserve serve` in its own process, decode slowed. It serves the graph `static`: with `auto` on a
-    bundle with INT8 graphs, start-up would time and self-check them with the slowed decode too."""
+def start_process(bundle: Path, port: int, *extra: str, decode_s: float = 0.05) -> subprocess.Popen:
+    """`attnserve serve` in its own process, each decode step `decode_s` slower. It serves the graph `static`:
+    with `auto` on a bundle with INT8 graphs, start-up would time and self-check them with the slowed decode too."""
     return subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "--bundle", str(bundle), "--graph", "static",
                              "--port", str(port), "--http-port", "0", "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens",
                              "64", "--threads", "1", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SLOW_DECODE_S": str(decode_s)})
 
 
-def wait_serving(proc: subprocess.Popen, address: str) -> None:
+def wait_serving(proc: subprocess.Popen, address: str, timeout: float = 60) -> None:
     def up() -> bool:
         assert proc.poll() is None, proc.communicate()[1]
         try:
             return health(address) == SERVING
         except grpc.RpcError:
             return False
-    wait_until(up, timeout=60, what="the server to report SERVING")
+    wait_until(up, timeout=timeout, what="the server to report SERVING")
 
 
 @pytest.mark.slow
@@ -218,6 +221,56 @@ def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
         assert proc.returncode == 0, err
     finally:
         proc.kill()
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_drain_at_once_with_the_drains_error(engine_bundle):
+    """SIGINT starts a drain with 600 s of grace; SIGINT again ends every request in flight at once, running or
+    queued, on both fronts, with the error the end of the grace period gives (gRPC UNAVAILABLE; an HTTP error
+    event, then [DONE]), says so in the log, and the process exits 0 long before the grace period is over.
+    The gRPC calls go over a channel without retries, so that a queued call's ending is its own."""
+    port, http_port = free_port(), free_port()
+    address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+    # 0.2 s a decode step: a 100-token stream runs for 20 s at least, so none finishes before the second signal
+    # (and the start-up self-check, slowed too, takes about as long)
+    proc = start_process(engine_bundle, port, "--http-port", str(http_port), "--grace-period-s", "600", decode_s=0.2)
+    try:
+        wait_serving(proc, address, timeout=180)
+        with grpc.insecure_channel(address) as channel, httpx2.Client(base_url=url, timeout=120) as h:
+            stub = pb_grpc.TextGenerationStub(channel)
+            body = {"prompt": "Ham.", "max_tokens": 100, "ignore_eos": True, "stream": True}
+            with h.stream("POST", "/v1/completions", json=body) as sse:
+                events = sse.iter_lines()
+                next(events)
+                running = [stub.GenerateStream(build_request(f"Rom. {i}", max_new_tokens=100, ignore_eos=True),
+                                               timeout=120) for i in range(3)]
+                for call in running:
+                    next(call)
+                queued = [stub.GenerateStream(build_request(f"Mac. {i}", max_new_tokens=100, ignore_eos=True),
+                                              timeout=120) for i in range(2)]
+                wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 2))(
+                    stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)), what="four to run and two to queue")
+                proc.send_signal(signal.SIGINT)
+                wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), timeout=60,
+                           what="the drain to start")
+                proc.send_signal(signal.SIGINT)
+                http_rest = [line for line in events if line]
+            endings = []
+            for call in running + queued:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call)
+                endings.append((e.value.code(), e.value.details()))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    cut = "the server stopped before the request finished (a second SIGTERM or SIGINT cut its drain short)"
+    assert endings == [(grpc.StatusCode.UNAVAILABLE, cut)] * 5
+    assert http_rest[-1] == "data: [DONE]"
+    error = json.loads(http_rest[-2][6:])["error"]
+    assert (error["type"], error["message"]) == ("service_unavailable", cut)
+    assert proc.returncode == 0, err
+    assert err.count("SIGINT received") == 1 and "second signal: stopping now, 6 request(s) cut off" in err
+    assert "grace period over" not in err and "stopped" in err
 
 
 @pytest.mark.slow
