@@ -338,7 +338,7 @@ class AsyncEngine:
             except Exception as e:  # a bug, not a model fault: fail what is in flight, keep the thread alive
                 log.exception("engine step failed")
                 for state in list(engine.requests.values()):
-                    out += engine.end(state, ModelError(f"engine failure: {type(e).__name__}: {e}"))
+                    out += engine.end(state, ModelError("the engine step failed", detail=f"{type(e).__name__}: {e}"))
             self._published = Published(engine.stats(), taken)
             self._deliver(out)
             if stopping and not engine.has_work:

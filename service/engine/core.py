@@ -371,7 +371,7 @@ class Engine:
         out: list[Output] = []
         for state in states:
             if not state.done:
-                out += self.end(state, ModelError(f"model step failed: {type(error).__name__}: {error}"))
+                out += self.end(state, ModelError("the model call failed", detail=f"{type(error).__name__}: {error}"))
         return out
 
     # ---- sample, then the output step (engine/output.py) ---------------------------------------

@@ -28,7 +28,12 @@ class Cancelled(EngineError):
 
 
 class ModelError(EngineError):
-    """The model step that carried this request failed; other requests are unaffected."""
+    """The server failed this request (a model call, or a bug); other requests are unaffected. The message is
+    what the client is told, in its terms; `detail` (exception text, parser state) goes to the log only."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 class Unavailable(EngineError):

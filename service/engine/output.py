@@ -8,12 +8,15 @@ request ends with its last sequence). A sequence's last event carries its specul
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from service.engine.errors import EngineError, ModelError
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
+
+log = logging.getLogger(__name__)
 
 Output = tuple[RequestState, "TokenEvent | EngineError"]  # what a step gives a request: a token, or its end
 
@@ -26,7 +29,19 @@ class OutputStep:
         self.end = end
 
     def update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
-        """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence."""
+        """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence. A
+        failure here is the request's alone: it ends with a ModelError (the details logged with its id), and
+        the step goes on for the others. A request that ended earlier in the step takes no more tokens."""
+        if seq.request_state.done:
+            return []
+        try:
+            return self._update(seq, token, logprob, top, now)
+        except Exception as e:  # a bug in the output of one request: never the step's, nor another request's
+            log.error("request %s: the output step failed on token %d", seq.request_state.id, token, exc_info=e)
+            return self.end(seq.request_state, ModelError("the server failed producing this request's output",
+                                                          detail=f"{type(e).__name__}: {e}"))
+
+    def _update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         state = seq.request_state
         seq.output_ids.append(token)
         seq.sampling.accept(token)
@@ -35,8 +50,8 @@ class OutputStep:
         complete = False  # the output is a whole sentence of its grammar, which allows nothing more
         if seq.matcher is not None:
             if not seq.matcher.consume_token(token):
-                return self.end(state, ModelError(f"token {token} left the request's grammar: "
-                                                  f"{seq.matcher.get_error()}"))
+                return self.end(state, ModelError("a generated token was refused by the request's constraint",
+                                                  detail=f"token {token}: {seq.matcher.get_error()}"))
             complete = seq.matcher.is_stopped()
         reason, text = self.stop(seq, token, complete)
         event = TokenEvent(state.id, seq.index, token, logprob, top, text, reason, now)

@@ -10,6 +10,11 @@
 
 A deadline is the client's own (`timeout`), so it is a 408 and not a 5xx: nothing a client can send
 makes the HTTP front answer 5xx but 503 (loading, draining) and a real fault.
+
+A fault's message says what failed in the client's terms and names the request id to quote; its details
+(exception text, a parser's state, a traceback) go to the log under that id, never to the client:
+
+    internal error: the model call failed (request 7f3a...; the server's log has the details)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from service import logs
 from service.engine.errors import Cancelled, DeadlineExceeded, InvalidRequest, ModelError, Overloaded, Unavailable
 
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -60,18 +66,31 @@ class HttpStatus:
 
 def status_for(error: BaseException, retry_after_ms: int = 1000) -> RpcStatus:
     for kind, code, _, _ in CODES:
-        if isinstance(error, kind):
+        if isinstance(error, kind) and kind is not ModelError:
             trailing = ((RETRY_AFTER_KEY, str(retry_after_ms)),) if kind is Overloaded else ()
             return RpcStatus(code, str(error), trailing)
-    return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+    return RpcStatus(grpc.StatusCode.INTERNAL, internal_message(error))
 
 
 def http_status_for(error: BaseException, retry_after_ms: int = 1000) -> HttpStatus:
     for kind, _, status, type_ in CODES:
-        if isinstance(error, kind):
+        if isinstance(error, kind) and kind is not ModelError:
             param = error.field if isinstance(error, InvalidRequest) else None
             retry_after_s = max(1, math.ceil(retry_after_ms / 1000)) if kind is Overloaded else \
                 1 if kind is Unavailable else None
             headers = (("Retry-After", str(retry_after_s)),) if retry_after_s else ()
             return HttpStatus(status, type_, str(error), param, headers)
-    return HttpStatus(500, "server_error", f"internal error: {type(error).__name__}: {error}")
+    return HttpStatus(500, "server_error", internal_message(error))
+
+
+def internal_message(error: BaseException) -> str:
+    """What a client is told of a fault: a ModelError's own message (written for clients), for anything else
+    only that the server failed; and the request id (of the calling task's log context) to quote."""
+    what = str(error) if isinstance(error, ModelError) else "the server failed this request"
+    return f"internal error: {what} (request {logs.request_id.get()}; the server's log has the details)"
+
+
+def internal_detail(error: BaseException) -> str:
+    """What the log gets of a fault: everything."""
+    detail = error.detail if isinstance(error, ModelError) else ""
+    return f"{type(error).__name__}: {error}" + (f" ({detail})" if detail else "")

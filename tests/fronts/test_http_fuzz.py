@@ -168,3 +168,58 @@ def test_no_tools_body_gets_a_5xx(engine_bundle, tmp_path_factory):
 
         one()
         assert h.get("/health").status_code == 200
+
+
+# ---- constraint fields: what a compile error or a fault may show ----------------------------------------
+
+regex_text = st.text(alphabet="ab01.*+?()[]{}|^$\\-:,<>dswS", max_size=16)
+grammar_text = st.one_of(st.text(max_size=40), st.builds(
+    lambda rule, body: f"start: {rule}\n{rule}: {body}\n", st.sampled_from(["x", "start", "%json", "a_1"]),
+    st.text(alphabet='ab"/|()*+?%{}:<>[] \n\\', max_size=24)), st.sampled_from(
+    ['root ::= "a" | "b"', 'root ::= [a-z]+', "start: %json {\"type\": 5}", 'start: <|endoftext|> "x"',
+     "start: <[99999]>", 'start: "<tool_call>" /[0-9]+/']))
+schema = st.recursive(st.fixed_dictionaries({}, optional={
+    "type": st.one_of(st.sampled_from(["object", "string", "integer", "number", "array", "boolean", "null", "x"]),
+                      json_values),
+    "pattern": regex_text, "format": st.sampled_from(["date", "email", "uuid", "no-such-format"]),
+    "minLength": st.integers(-1, 5), "maxLength": st.integers(-1, 5), "enum": st.lists(scalars, max_size=3),
+    "$ref": st.sampled_from(["#/$defs/x", "#", "http://x"])}),
+    lambda inner: st.fixed_dictionaries({}, optional={"properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                                                      "items": inner, "anyOf": st.lists(inner, max_size=3),
+                                                      "required": st.lists(st.text(max_size=4), max_size=2)}),
+    max_leaves=6)
+CONSTRAINTS = {
+    "guided_regex": st.one_of(regex_text, json_values),
+    "guided_grammar": st.one_of(grammar_text, json_values),
+    "guided_choice": st.one_of(st.lists(st.text(max_size=6), max_size=4), json_values),
+    "guided_json": st.one_of(schema, st.text(max_size=20), json_values),
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+        {"name": st.just("x"), "schema": st.one_of(schema, json_values)})}), st.just({"type": "json_object"}), json_values),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional={
+        "regex": regex_text, "grammar": grammar_text, "json": schema, "choice": st.lists(st.text(max_size=6), max_size=3)}),
+        json_values),
+}
+INTERNALS = ("<state>", "</state>", "<grammar>", "Traceback", "LexerSpec", "Parser:", "stats:", "File \"")
+
+
+def test_no_constraint_error_shows_internals(server, http):
+    """A constraint that does not compile is a 400 that says why in a few words; whatever the constraint, no
+    answer (a 4xx, or a stream's error event) carries a parser's state, a grammar dump or a traceback."""
+
+    @FUZZ
+    @given(st.sampled_from(sorted(CONSTRAINTS)).flatmap(lambda name: st.tuples(st.just(name), CONSTRAINTS[name])),
+           st.booleans())
+    def one(constraint, stream):
+        name, value = constraint
+        body = {"prompt": "Rom.", "max_tokens": 4, "stream": stream, name: value}
+        r = http.post("/v1/completions", content=json.dumps(body))
+        assert r.status_code < 500, (body, r.text)
+        errors = [r.json()["error"]] if r.status_code >= 400 else [
+            json.loads(line[6:])["error"] for line in r.text.splitlines()
+            if line.startswith("data: {") and '"error"' in line[:20]]
+        for error in errors:
+            assert not any(marker in error["message"] for marker in INTERNALS), (body, error)
+            assert len(error["message"]) <= 600, (body, error)
+
+    one()
+    assert http.get("/health").status_code == 200

@@ -21,7 +21,7 @@ from service.fronts.call import Call
 from service.fronts.front_state import FrontState
 from service.fronts.generation import Generation
 from service.fronts.grpc.protocol import Collector, StreamState, parse_request, stream_messages
-from service.fronts.status import status_for
+from service.fronts.status import internal_detail, status_for
 
 log = logging.getLogger("attnserve.server")
 
@@ -123,7 +123,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             status = status_for(e, self.state.retry_after_ms() if isinstance(e, Overloaded) else 0)
             code = status.code
             if status.is_bug:
-                log.error("%s", status.details, exc_info=e)
+                log.error("%s: %s", status.details, internal_detail(e), exc_info=e)
             elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
                 log.info("%s %s: %s", method, code.name, status.details)
             await context.abort(status.code, status.details, status.trailing_metadata)

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from service import logs
-from service.engine.errors import EngineError, InvalidRequest, Overloaded
+from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
 from service.fronts.front_state import FrontState
 from service.fronts.generation import ClientGone, Generation
@@ -39,7 +39,7 @@ from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionR
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
 from service.fronts.http.structured import constraint_of
-from service.fronts.status import HttpStatus, http_status_for
+from service.fronts.status import HttpStatus, http_status_for, internal_detail
 from service.fronts.tool_calls import ToolUse
 from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
@@ -204,10 +204,13 @@ class HttpFront:
                 builder.cached_tokens = generation.cached_prompt_tokens
                 yield builder.usage_chunk()
             outcome["code"] = "200"
-        except EngineError as e:
+        except Exception as e:  # the stream has begun (200 sent): its end is an error event
             status = http_status_for(e)
             outcome["code"] = str(status.status)
-            log.info("stream ended early: %s %s", status.status, status.message)
+            if status.is_bug:
+                log.error("stream ended early: %s: %s", status.message, internal_detail(e), exc_info=e)
+            else:
+                log.info("stream ended early: %s %s", status.status, status.message)
             yield sse(error_body(status))
         yield DONE
 
@@ -274,7 +277,7 @@ class HttpFront:
             retry_ms = self.state.retry_after_ms() if isinstance(error, Overloaded) else 0
             status = http_status_for(error, retry_ms)
         if status.is_bug:
-            log.error("%s", status.message, exc_info=error)
+            log.error("%s: %s", status.message, internal_detail(error), exc_info=error)
         elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
             log.info("http %s %d: %s", call.method, status.status, status.message)
         call.finished(str(status.status), False)
