@@ -6,6 +6,7 @@ Each module has `main(argv) -> int` and also runs on its own (`python -m model.t
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"attnserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"attnserve: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(COMMANDS[name][0])

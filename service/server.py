@@ -113,7 +113,7 @@ class Server:
         if self.port == 0:
             raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
-        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", engine.model.name, engine.runner.graph_name,
+        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", self.state.served_name(), engine.runner.graph_name,
                  s.host, self.port, "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f", HTTP :{self.http_port}" if self.http_port else "")

@@ -16,11 +16,14 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from attnserve.arguments import HintingParser
 from service.engine.config import EngineConfig
 
 ENV_PREFIX = "ATTNSERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CONFIG_SUFFIXES = {".toml": "toml_file", ".json": "json_file"}
+# other flags a setting answers to: vLLM's names, for commands written for `vllm serve`
+FLAG_ALIASES = {"bundle": ("--model",)}
 
 
 class SettingsError(ValueError):
@@ -30,6 +33,9 @@ class SettingsError(ValueError):
 class ServerSettings(BaseSettings, EngineConfig):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", use_attribute_docstrings=True)
 
+    served_model_name: str | None = Field(None, min_length=1)
+    """name clients know the model by: HTTP /v1/models and each response's model, gRPC GetModelInfo; unset = the
+    bundle's name (attnserve export --name, else the exported folder's)"""
     host: str = "127.0.0.1"
     """address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all interfaces)"""
     port: int = Field(50051, ge=0, le=65535)
@@ -157,19 +163,24 @@ def describe_errors(error: ValidationError) -> str:
 
 
 def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A flag per `ServerSettings` field, its help showing the default and the env var. Flags not
-    given are left out of the parsed namespace, so env and config file values are not overridden."""
-    p = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    """A flag per `ServerSettings` field (and its `FLAG_ALIASES`), its help showing the default and the env var;
+    an unknown flag is answered with the closest known ones. Flags not given are left out of the parsed
+    namespace, so env and config file values are not overridden."""
+    # the usage line names no flag: forty of them would bury the error argparse prints under it
+    p = HintingParser(prog=prog, usage=f"{prog} [options]", description=description,
+                      argument_default=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help=f"TOML or JSON settings file (env {CONFIG_ENV}); flags and env "
                                                "variables override it")
     for name, info in ServerSettings.model_fields.items():
         flag, env = flag_and_env(name)
+        flags = (flag, *FLAG_ALIASES.get(name, ()))
         default = info.get_default(call_default_factory=True)
         shown = "unset" if default is None else str(default)
         help_ = f"{' '.join(info.description.split())} [default: {shown}; env {env}]"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         if info.annotation is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            p.add_argument(flag, choices=choices, metavar=name.upper() if not choices else None, help=help_)
+            p.add_argument(*flags, dest=name, choices=choices, metavar=name.upper() if not choices else None,
+                           help=help_)
     return p

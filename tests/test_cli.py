@@ -21,6 +21,19 @@ def test_unknown_command_exits_2(capsys):
     assert "unknown command" in capsys.readouterr().err
 
 
+def test_a_mistyped_command_is_answered_with_the_command_meant(capsys):
+    assert main(["serv"]) == 2
+    assert capsys.readouterr().err.startswith("attnserve: unknown command 'serv' (did you mean 'serve'?)\n")
+
+
+def test_serve_answers_a_mistyped_flag_with_the_flag_meant():
+    """The error is the last line, under a one-line usage (not forty flags), and names the flag meant."""
+    out = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--bundel", "x"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == ["usage: attnserve serve [options]",
+                                       "attnserve serve: error: unrecognized arguments: --bundel x (did you mean --bundle?)"]
+
+
 def test_help_does_not_import_torch():
     code = "import sys; from attnserve.cli import main; main(['--help']); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

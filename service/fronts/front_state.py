@@ -72,6 +72,12 @@ class FrontState:
             raise NotReady("the model is still loading; retry shortly")
         return self.engine
 
+    def served_name(self) -> str:
+        """The name clients know the model by (/v1/models, each response's `model`, GetModelInfo):
+        `served_model_name`, else the bundle's own. NotReady while loading."""
+        engine = self.ready()
+        return self.settings.served_model_name or engine.model.name
+
     def admit(self) -> AsyncEngine:
         """The engine, for a new generation; refused while loading and once draining."""
         if not self.accepting:

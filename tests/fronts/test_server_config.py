@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,32 @@ def test_log_lines_carry_the_request_id(fmt):
         assert b["request_id"] == "-"
     else:
         assert "[req-42] Generate OK completion_tokens=7" in first and "[-] idle" in second
+
+
+def test_model_is_another_name_for_bundle():
+    """vLLM's flag name: a `vllm serve --model ...` command line carries over."""
+    assert parse("--model", "my-bundle").bundle == Path("my-bundle")
+    assert "--bundle BUNDLE, --model BUNDLE" in settings_parser("serve", "").format_help()
+
+
+def test_served_model_name_from_a_flag_or_the_environment(monkeypatch):
+    assert parse().served_model_name is None
+    assert parse("--served-model-name", "poet-7b").served_model_name == "poet-7b"
+    monkeypatch.setenv("ATTNSERVE_SERVED_MODEL_NAME", "from-env")
+    assert parse().served_model_name == "from-env"
+    with pytest.raises(SettingsError, match=r"served_model_name \(--served-model-name / ATTNSERVE_SERVED_MODEL_NAME\)"):
+        parse("--served-model-name", "")
+
+
+def test_an_unknown_flag_is_answered_with_the_closest_one(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("--bundel", "x")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "serve: error: unrecognized arguments: --bundel x (did you mean --bundle?)"
+    with pytest.raises(SystemExit):
+        parse("--max-runing=4", "--prot", "5", "--colour", "--xyzzy")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "serve: error: unrecognized arguments: --max-runing=4 --prot 5 --colour --xyzzy "
+        "(--max-runing: did you mean --max-running?; --prot: did you mean --port?)")
+

@@ -70,7 +70,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._rpc(context, "GetModelInfo"):
             engine = self.state.ready()
             m, runner = engine.model, engine.runner
-            return pb.ModelInfo(name=m.name, vocab_size=m.vocab_size, context_tokens=engine.context,
+            return pb.ModelInfo(name=self.state.served_name(), vocab_size=m.vocab_size, context_tokens=engine.context,
                                 eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
                                 provider=runner.session.get_providers()[0], graph=runner.graph_name,
                                 architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,

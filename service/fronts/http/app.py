@@ -2,7 +2,7 @@
 
     POST /v1/completions        prompt: a string, a list of strings, a list of token ids (or of lists)
     POST /v1/chat/completions   messages rendered with the model's chat template
-    GET  /v1/models             the served model, under its bundle name
+    GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
 
 The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
@@ -239,11 +239,11 @@ class HttpFront:
         return accepted
 
     def _served_name(self) -> str:
-        return self.state.ready().model.name
+        return self.state.served_name()
 
     def _model_card(self) -> dict[str, Any]:
         engine = self.state.ready()
-        return {"id": engine.model.name, "object": "model", "created": int(time.time() - (time.monotonic() -
+        return {"id": self.state.served_name(), "object": "model", "created": int(time.time() - (time.monotonic() -
                 self.state.started)), "owned_by": "attnserve", "max_model_len": engine.context}
 
     def _chat_template(self) -> ChatTemplate:

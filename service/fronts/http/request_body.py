@@ -83,7 +83,7 @@ def check_counts(data: Any, state: FrontState) -> None:
 
 
 def check_model(name: str | None, state: FrontState) -> None:
-    served = state.ready().model.name
+    served = state.served_name()
     if name and name != served:
         raise UnknownModel(name, served)
 
