@@ -6,12 +6,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from service import logs
+from service.engine.config import DEFAULT_BUNDLE
 from service.settings import ServerSettings, SettingsError, load_settings, settings_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -143,3 +148,34 @@ def test_an_unknown_flag_is_answered_with_the_closest_one(capsys):
         "serve: error: unrecognized arguments: --max-runing=4 --prot 5 --colour --xyzzy "
         "(--max-runing: did you mean --max-running?; --prot: did you mean --port?)")
 
+
+EXAMPLE_CONFIG = ROOT / "deploy" / "attnserve.example.toml"
+# a commented-out setting: '# name = value', not a comment's continuation
+COMMENTED_SETTING = re.compile(r"# ?([a-z_]+) = ")
+
+
+def test_the_example_config_file_is_what_serve_reads():
+    """deploy/attnserve.example.toml, as `attnserve serve --config` reads it: it serves the shipped model, and
+    every setting it sets holds the value it writes."""
+    s = parse("--config", str(EXAMPLE_CONFIG))
+    assert s.bundle == DEFAULT_BUNDLE and (DEFAULT_BUNDLE / "bundle.json").is_file()
+    written = tomllib.loads(EXAMPLE_CONFIG.read_text())
+    assert written and {name: getattr(s, name) for name in written} == written
+
+
+def test_the_example_configs_commented_out_settings_are_settings(tmp_path):
+    """Uncommented, each suggestion is a setting with a value of its type (those naming a file are left out:
+    the files do not exist here)."""
+    lines, suggested = [], []
+    for line in EXAMPLE_CONFIG.read_text().splitlines():
+        setting = COMMENTED_SETTING.match(line)
+        if setting:
+            suggested.append(setting[1])
+            if not setting[1].endswith("_file"):
+                line = line[setting.start(1):]
+        lines.append(line)
+    assert "served_model_name" in suggested and set(suggested) <= set(ServerSettings.model_fields)
+    uncommented = tmp_path / "uncommented.toml"
+    uncommented.write_text("\n".join(lines))
+    s = parse("--config", str(uncommented))
+    assert s.served_model_name == "shakespeare" and s.speculative == "ngram"
