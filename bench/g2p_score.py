@@ -13,11 +13,11 @@ with them: greedy and beam figures side by side, and every run that chose the mo
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from model.training import g2p_data as data
 from model.training.g2p_card import write_g2p_card
 from model.training.train_g2p import G2PTrainConfig, training_command
@@ -78,7 +78,7 @@ def run_summary(log_path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve score-g2p", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve score-g2p", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("models/g2p-cmudict"), help="the trained model directory")
     p.add_argument("--bundle", type=Path, default=Path("models/g2p-cmudict-onnx"), help="its exported bundle")
     p.add_argument("--beams", type=int, nargs="+", default=[1, 2, 4, 8], help="beam widths (1: greedy)")

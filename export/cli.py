@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from export.bundle_writer import GRAPH_FILES, export_bundle
 from export.known_warnings import known_warnings_silenced
 from export.onnx_export import DEFAULT_OPSET
@@ -25,7 +26,7 @@ from model.seq2seq_config import is_seq2seq
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve export", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve export", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", type=Path, help="model directory (config.json, model.safetensors, tokenizer.json)")
     p.add_argument("-o", "--out", type=Path, required=True, help="bundle directory to write")
     p.add_argument("--name", help="model name reported by the server (default: the model directory's name)")

@@ -12,6 +12,7 @@ import argparse
 
 import torch
 
+from attnserve.arguments import HintingParser
 from model.gpt import GPT
 
 DEFAULT_MODEL_DIR = "models/shakespeare"
@@ -81,7 +82,7 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int | None, gen: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve generate-local", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve generate-local", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", help="text to continue")
     p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory")
     p.add_argument("--max-new-tokens", type=int, default=200)

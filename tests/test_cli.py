@@ -61,3 +61,16 @@ def test_a_training_command_without_its_extra_says_what_to_install():
 def test_commands_that_reach_a_server_take_its_address_as_server(command):
     out = subprocess.run([sys.executable, "-m", "attnserve", command, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--server HOST:PORT" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(("argv", "meant"), [
+    (["generate", "x", "--temprature", "1"], "--temperature"),
+    (["health", "--servr", "localhost:1"], "--server"),
+    pytest.param(["export", "m", "-o", "out", "--verfy"], "--verify",
+                 marks=pytest.mark.needs_torch(reason="attnserve export needs the export extra")),
+    (["bench", "serve", "--concurency", "1"], "--concurrency"),
+])
+def test_every_command_answers_a_mistyped_flag_with_the_flag_meant(argv, meant, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and f"(did you mean {meant}?)" in capsys.readouterr().err

@@ -15,7 +15,6 @@ every-core figure to other benchmarks, which report their batch-1 speed as a sha
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
 
 
@@ -72,7 +72,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench bandwidth", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench bandwidth", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=1000, help="size of each array, in MB (far above the caches)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each figure is their median")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where bandwidth.json goes (docs/bench: and "

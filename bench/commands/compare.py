@@ -27,7 +27,6 @@ both into --out) and the compare section of docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -35,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from bench import workload
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.peers.systems import GRAPHS, REFERENCE, Model, System, convert, measure, select, unavailable
@@ -265,7 +265,7 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
 def main(argv: list[str] | None = None) -> int:
     from bench.sizes import SIZES
 
-    p = argparse.ArgumentParser(prog="attnserve bench compare", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--systems", default="", help="only these (keys like ctranslate2:int8, or families; "
                                                  "default: all)")

@@ -20,7 +20,6 @@ Writes docs/bench/engine.json (or into --out) and the engine section of docs/BEN
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
 from service.engine.core import Engine
@@ -177,7 +177,7 @@ def sampler_share(bundle: Path, batches: list[int], steps: int, threads: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     p.add_argument("--graphs", help="serving graphs to measure, comma-separated (default: every static-cache "
                                     "graph of the bundle)")

@@ -25,7 +25,6 @@ and its peak RSS. Writes docs/bench/g2p.json and the g2p section of docs/BENCHMA
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -33,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def summarize(results: list[dict], words: list[str], refs: dict, reference_out: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench g2p", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench g2p", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=MODEL, help="the G2P model directory (PyTorch, for the peers)")
     p.add_argument("--bundle", type=Path, default=BUNDLE, help="its ONNX bundle (attnserve)")
     p.add_argument("--words", type=int, default=512, help="held-out words; the first 64 also run alone")

@@ -12,7 +12,6 @@ worst and median latencies. Then the server's memory (VmRSS) and its open file h
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 import grpc
 import httpx2
 
+from attnserve.arguments import HintingParser
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
@@ -201,7 +201,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench hostile", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench hostile", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", default="models/shakespeare-onnx")
     p.add_argument("--connections", type=int, default=10_000, help="idle connections each connection probe opens")
     p.add_argument("--hold-s", type=float, default=15.0, help="how long they are held")

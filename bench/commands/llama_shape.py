@@ -17,13 +17,13 @@ Writes docs/bench/llama_shape.json (or into --out) and the llama_shape section o
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from bench.commands.engine import throughput
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from service.engine.config import DEFAULT_BUNDLE, EngineConfig
@@ -52,7 +52,7 @@ def random_checkpoint(out: Path, tokenizer: Path, layers: int, heads: int, kv_he
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench llama-shape", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench llama-shape", description=__doc__.split("\n\n")[0])
     for name, default in SMOLLM2_135M.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     p.add_argument("--concurrency", default="1,32")

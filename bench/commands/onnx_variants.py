@@ -14,7 +14,6 @@ Prints a markdown table; writes docs/bench/onnx_variants.json and its section of
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from model.training.data import load_corpus
 from model.training.scoring import bits_per_char, encode_documents, eval_batches, nll_sum
@@ -121,7 +121,7 @@ def held_out_bits_per_char(window_logits: Callable[[np.ndarray], np.ndarray], he
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv  # `python -m bench.commands.onnx_variants` (make bench-onnx) too
-    p = argparse.ArgumentParser(prog="attnserve bench onnx-variants", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench onnx-variants", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

@@ -18,7 +18,6 @@ server's usage reports how many prompt tokens came from the cache. Writes docs/b
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from bench.server_process import ServerProcess
 from service.client import Client
@@ -49,7 +49,7 @@ def first_token(client: Client, prompt: list[int], new_tokens: int) -> tuple[flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench prefix-cache", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench prefix-cache", description=__doc__.split("\n\n")[0])
     for name, default in GPT2_124M.items():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--prefix-tokens", type=int, default=1000)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.commands.bandwidth import read_bandwidth
 from bench.commands.onnx_variants import held_out_bits_per_char, held_out_ids
 from bench.machine import BENCH_DOC, RESULTS_DIR, ROOT, describe, machine_line, publish, shown
@@ -173,7 +174,7 @@ def emulated_quality(bundle: Path, graphs: list[str], cpu: str, held_out: tuple[
 def main(argv: list[str] | None = None) -> int:
     from export.variants import BLOCK_SIZES, INT4, INT8, QUANTIZATIONS
 
-    p = argparse.ArgumentParser(prog="attnserve bench quantization", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench quantization", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     p.add_argument("--candidates", default=",".join(QUANTIZATIONS), help="comma-separated, from export.variants")
     p.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)),

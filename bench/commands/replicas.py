@@ -19,7 +19,6 @@ Writes docs/bench/replicas.json and the replicas section of docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -27,6 +26,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 from bench.replicas import PATHS, Fleet, Nginx, StreamLoad, capacity, kill_under_load, load_on, roll_under_load
 from service.engine.config import DEFAULT_BUNDLE
@@ -127,7 +127,7 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)  # the command is recorded with its arguments
-    p = argparse.ArgumentParser(prog="attnserve bench replicas", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench replicas", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", default=str(DEFAULT_BUNDLE))
     p.add_argument("--replicas", default="1,2,3", help="replica counts for the capacity table")
     p.add_argument("--rounds", type=int, default=3)

@@ -12,11 +12,11 @@ Writes docs/bench/rotary_placement.json (or into --out) and its section of docs/
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
 
 SHAPE = dict(layers=30, heads=9, kv_heads=3, hidden=576, intermediate=1536, vocab=8192, context=512)
@@ -24,7 +24,7 @@ PLACEMENTS = {"RotaryEmbedding ops": False, "inside GroupQueryAttention": True}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench rotary-placement", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench rotary-placement", description=__doc__.split("\n\n")[0])
     for name, default in SHAPE.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     p.add_argument("--steps", type=int, default=12, help="decode steps per timing")

@@ -31,7 +31,6 @@ port 50051). With `--bundle`, both are the started server's ports.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import math
@@ -43,6 +42,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from attnserve.arguments import HintingParser
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
@@ -180,7 +180,7 @@ def noop_check(args, concurrency: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench serve", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench serve", description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", help="a running server: its gRPC host:port, or with --protocol http its HTTP "
                                         "base URL (http://host:port; host:port means http://)")

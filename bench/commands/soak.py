@@ -17,7 +17,6 @@ docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from attnserve.arguments import HintingParser
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench import workload
 from bench.commands.serve import DEFAULT_BUNDLE, model_info, to_request
@@ -122,7 +122,7 @@ def plot(result: dict, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench soak", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")

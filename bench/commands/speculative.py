@@ -13,7 +13,6 @@ verification costs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 
 KS = range(1, 9)
@@ -142,7 +142,7 @@ def markdown(r: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench speculative", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench speculative", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--prompts", type=int, default=5, help="prompts per workload")
     p.add_argument("--new-tokens", type=int, default=100)

@@ -29,7 +29,6 @@ entry of docs/bench/structured.json and keeps the others'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, ROOT, describe, machine_line, publish, shown
 from bench.peers.protocol import percentile
 from bench.sizes import SIZES
@@ -266,7 +266,7 @@ def _doc_tokens(lib: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve bench structured", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve bench structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=PARTS, action="append", help="a part to run (repeatable); default: all")
     p.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="byte-level vocabulary sizes, comma-separated")
     p.add_argument("--sp-vocab", type=int, default=SP_VOCAB, help="size of the SentencePiece-style vocabulary")

@@ -4,17 +4,18 @@ saying why when refused."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from attnserve.arguments import HintingParser
 
 
 def conversion_main(argv: list[str] | None, prog: str, description: str, source_help: str, out_help: str,
                     convert: Callable[[str, str], Path], errors: tuple[type[Exception], ...]) -> int:
     """`prog <source> -o <out>`: run `convert(source, out)` and print what it wrote; an error of `errors`
     is reported as `prog: <source>: <why>`."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = HintingParser(prog=prog, description=description)
     p.add_argument("source", help=source_help)
     p.add_argument("-o", "--out", required=True, help=out_help)
     args = p.parse_args(argv)

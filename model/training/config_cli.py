@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from attnserve.arguments import HintingParser
+
 
 def parser_for(cls, prog: str, description: str) -> argparse.ArgumentParser:
     """One flag per field of the dataclass `cls`: booleans as --x / --no-x, the rest typed by their default."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = HintingParser(prog=prog, description=description)
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool" or isinstance(f.default, bool):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from attnserve.arguments import HintingParser
 from attnserve.v1 import generate_pb2 as pb
 from service.client import Client, add_connection_flags, build_request, connection_options
 from service.engine.config import AUTO_GRAPH, DEFAULT_BUNDLE
@@ -29,7 +30,7 @@ FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.Finis
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnserve generate", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt")
     where = p.add_argument_group("where").add_mutually_exclusive_group()
     where.add_argument("--server", metavar="HOST:PORT", help="a running attnserve server (default: in-process)")

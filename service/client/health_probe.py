@@ -8,12 +8,13 @@ The container's HEALTHCHECK runs it. It needs only grpcio and the health stubs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve.arguments import HintingParser
 
 
 def check(address: str, service: str = "", timeout_s: float = 3.0,
@@ -27,7 +28,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnserve health", description=__doc__.split("\n\n")[0])
+    p = HintingParser(prog="attnserve health", description=__doc__.split("\n\n")[0])
     # --server, as in `attnserve generate`; --address, its earlier name, still works
     p.add_argument("--server", "--address", metavar="HOST:PORT",
                    default=f"127.0.0.1:{os.environ.get('ATTNSERVE_PORT', '50051')}",
