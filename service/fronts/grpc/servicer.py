@@ -20,8 +20,9 @@ from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
 from service.fronts.front_state import FrontState
 from service.fronts.generation import Generation
-from service.fronts.grpc.protocol import Collector, StreamState, parse_request, stream_messages
+from service.fronts.grpc.protocol import GRPC_NAMES, Collector, StreamState, parse_request, stream_messages
 from service.fronts.status import internal_detail, status_for
+from service.fronts.validation import check_text_fits
 
 log = logging.getLogger("attnserve.server")
 
@@ -56,9 +57,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._rpc(context, "Tokenize"):
             self.state.ready()
             facts = self.state.model
-            if facts.max_prompt_chars is not None and len(request.text) > facts.max_prompt_chars:
-                raise InvalidRequest("text", f"has {len(request.text)} characters; the limit is "
-                                     f"{facts.max_prompt_chars} (no longer text can fit the model's prompt)")
+            check_text_fits("text", request.text, facts)
 
             def tokenize() -> pb.TokenizeResponse:
                 ids = facts.tokenizer.encode(request.text)
@@ -120,7 +119,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            status = status_for(e, self.state.retry_after_ms() if isinstance(e, Overloaded) else 0)
+            # a rule names a field as the engine does; the client is told the proto's name
+            error = GRPC_NAMES.renamed(e) if isinstance(e, InvalidRequest) else e
+            status = status_for(error, self.state.retry_after_ms() if isinstance(e, Overloaded) else 0)
             code = status.code
             if status.is_bug:
                 log.error("%s: %s", status.details, internal_detail(e), exc_info=e)
