@@ -41,8 +41,7 @@ class Call:
         self.prompt_tokens += len(accepted.request.prompt_token_ids)
         self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
 
-    def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
-        stream = stream or self.streams[0]
+    def observe(self, events: list[TokenEvent], stream: RequestStream) -> None:
         key = id(stream)
         if events and key not in self._started:
             self._started.add(key)

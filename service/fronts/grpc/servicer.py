@@ -37,20 +37,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._generation(request, context, "Generate", whole=True) as (call, accepted, stream):
+        async with self._generation(request, context, "Generate", whole=True) as (accepted, generation):
             collector = Collector(accepted, self.state.texts)
-            while batch := await stream.next_batch():
-                call.observe(batch)
-                collector.add(batch)
-            return collector.response(stream.timing)
+            async for _, events in generation.events():
+                collector.add(events)
+            return collector.response(generation.streams[0].timing)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
-        async with self._generation(request, context, "GenerateStream") as (call, accepted, stream):
-            sent = StreamState()
-            while batch := await self.state.next_message(stream):
-                call.observe(batch)
-                last = stream.finished
-                for msg in stream_messages(accepted, batch, self.state.texts, sent, stream.timing, last=last):
+        async with self._generation(request, context, "GenerateStream") as (accepted, generation):
+            sent, stream = StreamState(), generation.streams[0]
+            async for _, events in generation.events():
+                for msg in stream_messages(accepted, events, self.state.texts, sent, stream.timing,
+                                           last=stream.finished):
                     await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -133,8 +131,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     @contextlib.asynccontextmanager
     async def _generation(self, request: pb.GenerateRequest, context, method: str, whole: bool = False):
-        """Validate, submit, and hand the stream to the RPC body; always frees the request's slots. `whole`:
-        the body reads the events only once the request has ended."""
+        """Validate, submit, and hand the request and its `Generation` to the RPC body, which reads the events
+        with `Generation.events` as the HTTP front does; always frees the request's slots. `whole`: the body
+        reads the events only once the request has ended."""
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
             self.state.admit()  # refused while loading or draining, before any parsing
@@ -147,7 +146,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 accepted.request.deadline = time.monotonic() + remaining
             generation = await Generation.start(self.state, call, [accepted], whole)
             try:
-                yield call, accepted, generation.streams[0]
+                yield accepted, generation
             finally:
                 generation.close()
 
