@@ -131,8 +131,9 @@ def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int,
 
 
 @dataclass
-class StreamState:
-    """What a stream has sent so far."""
+class StreamProgress:
+    """What a GenerateStream call has sent so far: which completions have begun, whether the prompt's logprobs
+    went out, and the counts its last message's usage reports."""
 
     started: set[int] = field(default_factory=set)  # indices whose first message went out (for echo)
     prompt_logprobs_sent: bool = False  # they go out once, in the request's first message
@@ -140,7 +141,7 @@ class StreamState:
     drafts: DraftCounts = field(default_factory=DraftCounts)  # of the sequences that have ended
 
 
-def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
+def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamProgress,
                     timing: Timing, last: bool) -> list[pb.GenerateStreamResponse]:
     """One message per completion index among `events` (events that arrived together are merged);
     `last` = these events end the request, so the final message carries the usage."""
