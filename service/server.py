@@ -4,7 +4,7 @@ OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful dra
     attnserve serve                                   # the shipped model: gRPC on 127.0.0.1:50051, HTTP on :8000
     attnserve serve --bundle my-bundle --host 0.0.0.0 --max-running 32
 
-Both fronts run in this process's one event loop, on the one engine (`FrontState`): one model, one
+Both fronts run in this process's one event loop, on the one engine (`ServingContext`): one model, one
 queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle -> warm up ->
 open the gRPC port, SERVING. On SIGTERM or SIGINT: health NOT_SERVING, the gRPC port closes to new calls
 and new HTTP requests get 503, requests in flight on either front get `grace_period_s` to finish, then
@@ -30,7 +30,6 @@ from service.engine.async_engine import AsyncEngine
 from service.engine.errors import EngineStopped
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.fronts.file_handles import fit_connections
-from service.fronts.front_state import FrontState
 from service.fronts.grpc.decoding import MalformedMessages
 from service.fronts.grpc.options import server_options
 from service.fronts.grpc.security import BearerToken, server_credentials
@@ -39,6 +38,7 @@ from service.fronts.http.app import HttpFront
 from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
 from service.fronts.ports import ensure_bindable, port_error
+from service.fronts.serving_context import ServingContext
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
@@ -56,8 +56,8 @@ class Server:
     def __init__(self, settings: ServerSettings, engine: AsyncEngine | None = None):
         self.settings = settings
         self.metrics = Metrics()
-        self.state = FrontState(settings, self.metrics)
-        self.service = TextGenerationService(self.state)
+        self.serving = ServingContext(settings, self.metrics)
+        self.service = TextGenerationService(self.serving)
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
         self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
@@ -66,7 +66,7 @@ class Server:
         self.metrics_port = 0
         token = settings.bearer_token()
         max_connections = fit_connections(settings.max_connections, fronts=2 if settings.http_port else 1)
-        self.http = HttpListener(HttpFront(self.state, token).app, settings, self.metrics,
+        self.http = HttpListener(HttpFront(self.serving, token).app, settings, self.metrics,
                                  max_connections) if settings.http_port else None
         interceptors = [MalformedMessages()] + ([BearerToken(token)] if token else [])
         self.grpc = grpc.aio.server(interceptors=interceptors, options=server_options(settings, max_connections))
@@ -76,7 +76,7 @@ class Server:
 
     @property
     def engine(self) -> AsyncEngine | None:
-        return self.state.engine
+        return self.serving.engine
 
     async def start(self) -> None:
         """Take the HTTP port (`/health` 503 while loading), load and warm the model, then open the gRPC port,
@@ -102,7 +102,7 @@ class Server:
         self.metrics.watch(engine.stats)
         if s.warmup:
             await rehearse(engine)
-        self.state.attach(engine)
+        self.serving.attach(engine)
         await self._set_health(SERVING)
         address = f"{s.host}:{s.port}"
         try:
@@ -113,7 +113,7 @@ class Server:
         if self.port == 0:
             raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
-        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", self.state.served_name(), engine.runner.graph_name,
+        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", self.serving.served_name(), engine.runner.graph_name,
                  s.host, self.port, "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f", HTTP :{self.http_port}" if self.http_port else "")
@@ -125,11 +125,11 @@ class Server:
         (GOAWAY: a call racing it is retried by the client's channel, a proxy connects to another replica)
         while the calls in flight go on. New HTTP requests get 503, which a proxy passes to the next replica."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
-        self.state.accepting = False
+        self.serving.accepting = False
         await self.health.enter_graceful_shutdown()
         closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self.port \
             else None
-        log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.state.active, grace_s)
+        log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.serving.active, grace_s)
         await self._finish_in_flight(grace_s)
         if self.http is not None:
             await self.http.stop()
@@ -146,28 +146,28 @@ class Server:
         error they would get when the grace period is over, and the server stops without waiting for it.
         Called before `drain`, it makes the drain end at once whatever is in flight."""
         if not self._cut_short.is_set():
-            log.warning("second signal: stopping now, %d request(s) cut off", self.state.active)
+            log.warning("second signal: stopping now, %d request(s) cut off", self.serving.active)
             self._cut_short.set()
 
     async def _finish_in_flight(self, grace_s: float) -> None:
         """Wait for the requests in flight for up to `grace_s`, or until `cut_short`; end those left with
         `EngineStopped` (gRPC UNAVAILABLE, HTTP 503) and give the fronts `END_WAIT_S` to deliver it."""
-        if self.state.active:
-            waits = [asyncio.ensure_future(event.wait()) for event in (self.state.idle, self._cut_short)]
+        if self.serving.active:
+            waits = [asyncio.ensure_future(event.wait()) for event in (self.serving.idle, self._cut_short)]
             await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
             for wait in waits:
                 wait.cancel()
-        if not self.state.active:
+        if not self.serving.active:
             return
         if self._cut_short.is_set():
             why = "a second SIGTERM or SIGINT cut its drain short"
         else:
-            log.warning("grace period over with %d request(s) in flight; ending them", self.state.active)
+            log.warning("grace period over with %d request(s) in flight; ending them", self.serving.active)
             why = f"its grace period of {grace_s:g} s for requests in flight is over"
         if self._engine is not None:
             self._engine.end_all(EngineStopped(f"the server stopped before the request finished ({why})"))
             with contextlib.suppress(TimeoutError):  # each front sends its error (UNAVAILABLE, 503)
-                await asyncio.wait_for(self.state.idle.wait(), timeout=END_WAIT_S)
+                await asyncio.wait_for(self.serving.idle.wait(), timeout=END_WAIT_S)
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

@@ -153,7 +153,7 @@ class Engine:
         in a worker thread first)."""
         request.validate(self.model.vocab_size, self.context, self.limits)
         if request.slots > self.max_running:
-            field = "beam_width" if request.beam is not None else "n"
+            field = "beam.width" if request.beam is not None else "n"
             raise InvalidRequest(field, f"{request.slots} sequences; this engine runs at most {self.max_running} at "
                                  "once")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)

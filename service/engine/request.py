@@ -244,14 +244,18 @@ class GenerationRequest:
 
     def _validate_beam(self, limits: EngineLimits) -> None:
         """Beam search ranks whole hypotheses by the model's log-probabilities: what shapes sampling or a single
-        token's choice does not apply, and is refused by name rather than ignored."""
+        token's choice does not apply, and is refused by name rather than ignored. It does not sample, so its
+        temperature is 0 (a seed, as in greedy sampling, chooses nothing and is allowed)."""
         b, s, st = self.beam, self.sampling, self.stopping
-        _int_range("beam_width", b.width, 2, limits.max_n)
+        _int_range("beam.width", b.width, 2, limits.max_n)
         _int_range("n", self.n, 1, b.width)
         if not isinstance(b.length_penalty, (int, float)) or not -10.0 <= b.length_penalty <= 10.0:
-            raise InvalidRequest("length_penalty", f"{b.length_penalty!r} is outside [-10, 10]")
+            raise InvalidRequest("beam.length_penalty", f"{b.length_penalty!r} is outside [-10, 10]")
         if b.early_stopping not in (True, False, "never"):
-            raise InvalidRequest("beam_stopping", f"{b.early_stopping!r} is not true, false or 'never'")
+            raise InvalidRequest("beam.early_stopping", f"{b.early_stopping!r} is not true, false or 'never'")
+        if s.temperature != 0.0:
+            raise InvalidRequest("sampling.temperature", f"{s.temperature!r} does not apply to beam search, which "
+                                 "does not sample: it takes 0")
         refused = {"constraint": self.constraint is not None, "logprobs": self.logprobs,
                    "stopping.stop": bool(st.stop), "stopping.min_new_tokens": st.min_new_tokens > 0,
                    "stopping.ignore_eos": st.ignore_eos, "sampling.top_k": s.top_k > 0, "sampling.top_p": s.top_p < 1.0,

@@ -2,13 +2,14 @@
 
     grpc/              the gRPC front: servicer, protobuf conversion, TLS and token interceptor
     http/              the HTTP front: OpenAI's API on Starlette and uvicorn, in the same event loop
-    front_state.py     the engine both fronts submit to, admission, the drain, the retry-after hint
-    generation.py      one generation's engine streams, submitted together and freed however the call ends
+    serving_context.py the engine both fronts submit to, admission, the drain, the retry-after hint
+    generation.py      one generation's engine streams, submitted together, read and freed however the call ends
     stream_cadence.py  how many tokens a stream message carries and how long it waits for them
     call.py            one call's request id, metrics and closing log line
     token_texts.py     each token's text for logprobs, as gRPC and as OpenAI name it
     draft_counts.py    a call's speculative decoding counts for its usage, summed over its sequences
-    validation.py      one statement of every request field's range, used by every front
+    validation.py      one statement of every front-level rule (the engine's are GenerationRequest.validate's)
+    field_names.py     the engine's field names as each front spells them, for its errors
     auth.py            the bearer token check and PEM reading
     status.py          engine errors -> each protocol's status codes, the one table
     metrics.py         Prometheus metrics, on their own port, labelled by protocol

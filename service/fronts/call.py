@@ -1,7 +1,7 @@
 """One call on any front: its request id (in every log line), its latency metrics, and the count of
 calls by protocol, method and outcome.
 
-    call = Call(state, "grpc", "GenerateStream")
+    call = Call(serving, "grpc", "GenerateStream")
     call.accepted(accepted, stream)      # the engine took it
     call.observe(events, stream)         # as tokens arrive
     call.finished("OK", ok=True)         # once, however it ends
@@ -15,7 +15,7 @@ import time
 from service import logs
 from service.engine.async_engine import RequestStream
 from service.engine.request import TokenEvent
-from service.fronts.front_state import FrontState
+from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
 
 log = logging.getLogger("attnserve.server")
@@ -24,9 +24,9 @@ class Call:
     """One call in progress, on any front: its request id (in every log line), latency metrics, and
     the count of calls by protocol, method and outcome."""
 
-    def __init__(self, state: FrontState, protocol: str, method: str):
-        self.state, self.protocol, self.method = state, protocol, method
-        self.metrics = state.metrics
+    def __init__(self, serving: ServingContext, protocol: str, method: str):
+        self.serving, self.protocol, self.method = serving, protocol, method
+        self.metrics = serving.metrics
         self.admitted: AcceptedRequest | None = None  # its (first) request, once the engine took it
         self.streams: list[RequestStream] = []
         self.tokens = 0
@@ -41,8 +41,7 @@ class Call:
         self.prompt_tokens += len(accepted.request.prompt_token_ids)
         self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
 
-    def observe(self, events: list[TokenEvent], stream: RequestStream | None = None) -> None:
-        stream = stream or self.streams[0]
+    def observe(self, events: list[TokenEvent], stream: RequestStream) -> None:
         key = id(stream)
         if events and key not in self._started:
             self._started.add(key)
@@ -66,6 +65,6 @@ class Call:
         total = time.monotonic() - min(s.timing.arrival for s in self.streams)
         if ok:
             self.metrics.request_duration.observe(total)
-            self.state.completions.append(time.monotonic())
+            self.serving.completions.append(time.monotonic())
         log.info("%s %s %s", self.protocol, self.method, code, extra={
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})

@@ -2,7 +2,7 @@
 they arrive, and the guarantee that whatever ends the call (the last token, an error, the client going
 away) frees every KV slot it holds at the engine's next step, and counts it out of the drain.
 
-    gen = await Generation.start(state, call, accepted_requests)   # every prompt submitted, or none
+    gen = await Generation.start(serving, call, accepted_requests)   # every prompt submitted, or none
     async for stream_index, events in gen.events(receive):   # receive: watch for a disconnect
         ...
     gen.close()                                # idempotent; cancels what is still running
@@ -17,7 +17,7 @@ from service.engine.async_engine import RequestStream
 from service.engine.errors import Cancelled, EngineError
 from service.engine.request import TokenEvent
 from service.fronts.call import Call
-from service.fronts.front_state import FrontState
+from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
 
 _GONE = object()  # the client disconnected
@@ -28,23 +28,23 @@ class ClientGone(Cancelled):
 
 
 class Generation:
-    def __init__(self, state: FrontState, call: Call):
-        self.state, self.call = state, call
+    def __init__(self, serving: ServingContext, call: Call):
+        self.serving, self.call = serving, call
         self.streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
     @classmethod
-    async def start(cls, state: FrontState, call: Call, accepted_requests: list[AcceptedRequest], whole: bool = False
-                    ) -> Generation:
+    async def start(cls, serving: ServingContext, call: Call, accepted_requests: list[AcceptedRequest],
+                    whole: bool = False) -> Generation:
         """Compile the requests' grammars (in worker threads), then submit every prompt, or none. `whole`:
         the response is sent once every request has ended, so their events may arrive all at once."""
-        engine = state.admit()
-        generation = cls(state, call)
-        state.in_flight_enter()
+        engine = serving.admit()
+        generation = cls(serving, call)
+        serving.in_flight_enter()
         try:
             grammars = await engine.compile([a.request for a in accepted_requests])
-            engine = state.admit()  # still serving after the wait
+            engine = serving.admit()  # still serving after the wait
             for accepted, grammar in zip(accepted_requests, grammars, strict=True):
                 stream = engine.submit(accepted.request, grammar, whole=whole)
                 generation.streams.append(stream)
@@ -59,7 +59,7 @@ class Generation:
         (after the events before it); with `receive`, a disconnect ends it with `ClientGone`."""
         if len(self.streams) == 1 and receive is None:  # the common case needs no helper tasks
             stream = self.streams[0]
-            while batch := await self.state.next_message(stream):
+            while batch := await self.serving.next_message(stream):
                 self.call.observe(batch, stream)
                 yield 0, batch
             return
@@ -83,7 +83,7 @@ class Generation:
 
     async def _pump(self, index: int, stream: RequestStream, queue: asyncio.Queue) -> None:
         try:
-            while batch := await self.state.next_message(stream):
+            while batch := await self.serving.next_message(stream):
                 queue.put_nowait((index, batch))
             queue.put_nowait((index, None))
         except EngineError as e:
@@ -103,7 +103,7 @@ class Generation:
             task.cancel()
         for stream in self.streams:
             stream.cancel()  # no-op once finished; otherwise frees the slots at the next step
-        self.state.in_flight_leave()
+        self.serving.in_flight_leave()
 
 
 async def _watch(receive, queue: asyncio.Queue) -> None:

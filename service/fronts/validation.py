@@ -1,12 +1,15 @@
 """Requests from any front, checked once, into the engine's `GenerationRequest`.
 
-Every range is stated once. The sampling and stopping parameters' own ranges are in their pydantic
-definitions (`service.engine.request`: `SamplingParams`, `StoppingCriteria`), and the ranges that
-depend on the model and the engine's limits (vocabulary, context, n, top_logprobs, max_new_tokens)
-in `GenerationRequest.validate`, which the engine runs on every request. This module adds what only
-a front sees: the request id, prompt text or token ids, echo (with max_new_tokens 0: the prompt alone),
-and the defaults of unset fields. A front maps its own wire format to plain values and calls `accept`;
-a bad value raises `InvalidRequest` naming the field (`param` in HTTP terms) and its allowed range.
+Every rule is stated once, in the engine's field names (`service.fronts.field_names` gives each front's
+spelling). The sampling and stopping parameters' own ranges are in their pydantic definitions
+(`service.engine.request`: `SamplingParams`, `StoppingCriteria`), and the rules that depend on the model,
+the engine's limits or the request as a whole (vocabulary, context, n, top_logprobs, max_new_tokens, beam
+search and what it refuses beside it) in `GenerationRequest.validate`, which the engine runs on every
+request. This module adds what only a front sees: the request id, prompt text or token ids and how long a
+text may be (`check_text_fits`: a prompt, a chat's rendered messages, a text to tokenize), echo (with
+max_new_tokens 0: the prompt alone), beam search's own fields without beam search, and the defaults of
+unset fields. A front maps its own wire format to plain values and calls `accept`; a bad value raises
+`InvalidRequest` naming the field and its allowed range.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ class RequestFields(BaseModel):
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives per token
     truncate_prompt: bool = False
     constraint: Constraint | None = None  # structured output: the grammar every completion must match
-    beam: BeamParams | None = None  # beam search in place of sampling
 
     @field_validator("request_id")
     @classmethod
@@ -93,24 +95,21 @@ class ModelFacts:
     sampling_defaults: dict | None = None  # what the model's generation config sets for unset sampling fields
 
 
-def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str, Any],
+def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str, Any], beam: dict[str, Any],
            model: ModelFacts, default_max_new: int | None = None) -> AcceptedRequest:
-    """Check a front's values and build the engine request. `sampling` and `stopping` hold only the
-    fields the client set; the others take their defaults (docs/api.md), the model's generation config's
-    where it sets them (`service.fronts.generation_defaults`): an unset max_new_tokens is
-    `default_max_new` (else the engine's default), shrunk to the room the prompt leaves. Raises
-    `InvalidRequest`."""
+    """Check a front's values and build the engine request. `sampling`, `stopping` and `beam` (`BeamParams`'
+    fields: `width`, given for beam search alone) hold only the fields the client set; the others take their
+    defaults (docs/api.md), the model's generation config's where it sets them
+    (`service.fronts.generation_defaults`): an unset max_new_tokens is `default_max_new` (else the engine's
+    default), shrunk to the room the prompt leaves; a beam search's unset temperature is 0, as it does not
+    sample. Raises `InvalidRequest`."""
     try:
         f = RequestFields(**fields)
     except ValidationError as e:
         cause = e.errors()[0].get("ctx", {}).get("error")
         raise (cause if isinstance(cause, InvalidRequest) else invalid_request(e, RequestFields)) from None
     if f.prompt:
-        if model.max_prompt_chars is not None and len(f.prompt) > model.max_prompt_chars:
-            room = (f"the longest source of {model.limits.max_prompt_tokens}" if model.limits.encoder_decoder
-                    else f"the model context of {model.n_ctx}")
-            raise InvalidRequest("prompt", f"{len(f.prompt)} characters cannot fit {room} tokens (at most "
-                                 f"{model.max_prompt_chars} characters)")
+        check_text_fits("prompt", f.prompt, model)
         ids, text = model.tokenizer.encode(f.prompt), f.prompt
     else:
         ids, text = f.prompt_token_ids, None
@@ -120,15 +119,40 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
         stopping["max_new_tokens"] = 1
     elif stopping.get("max_new_tokens") is None:
         stopping["max_new_tokens"] = default_max_new_tokens(model, len(ids), f.truncate_prompt, default_max_new)
-    if f.beam is None:  # a beam search does not sample: the model's sampling defaults do not apply to it
+    beam_params = beam_search(beam)
+    if beam_params is None:
         sampling = {**(model.sampling_defaults or {}), **sampling}
+    else:  # the model's sampling defaults do not apply; a temperature the client set is refused by validate
+        sampling = {"temperature": 0.0, **sampling}
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
                                 logprobs=f.logprobs, truncate_prompt=f.truncate_prompt,
-                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint, beam=f.beam)
+                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint, beam=beam_params)
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo, prompt_only)
+
+
+def beam_search(values: dict[str, Any]) -> BeamParams | None:
+    """The beam search `values` ask for, None without a `width`: its other fields apply to beam search only,
+    and are refused without one. Its ranges are `GenerationRequest.validate`'s."""
+    if "width" not in values:
+        if values:
+            raise InvalidRequest(f"beam.{next(iter(values))}", "applies to beam search only, which this request "
+                                 "does not ask for")
+        return None
+    return BeamParams(**values)
+
+
+def check_text_fits(field: str, text: str, model: ModelFacts) -> None:
+    """Refuse, before tokenizing it, a text too long to fit the model's prompt whatever its tokens: more
+    characters than the longest prompt (an encoder-decoder's: its longest source) times the longest token."""
+    if model.max_prompt_chars is None or len(text) <= model.max_prompt_chars:
+        return
+    room = (f"the longest source of {model.limits.max_prompt_tokens}" if model.limits.encoder_decoder
+            else f"the model context of {model.n_ctx}")
+    raise InvalidRequest(field, f"has {len(text)} characters; the limit is {model.max_prompt_chars} (no longer text "
+                         f"can fit {room} tokens)")
 
 
 def usable_prompt_ids(ids: Sequence[int], truncate: bool, model: ModelFacts) -> list[int]:
@@ -141,8 +165,7 @@ def usable_prompt_ids(ids: Sequence[int], truncate: bool, model: ModelFacts) -> 
     if truncate:
         return list(ids[-longest:])
     room = "longest source" if model.limits.encoder_decoder else "model context"
-    raise InvalidRequest("prompt", f"{len(ids)} tokens cannot fit the {room} of {longest} tokens; shorten it, or "
-                         "set truncate_prompt")
+    raise InvalidRequest("prompt", f"{len(ids)} tokens cannot fit the {room} of {longest} tokens; shorten it")
 
 
 def default_max_new_tokens(model: ModelFacts, prompt_tokens: int, truncate_prompt: bool,

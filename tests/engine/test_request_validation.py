@@ -10,7 +10,14 @@ import math
 import pytest
 
 from service.engine.errors import InvalidRequest
-from service.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria, build
+from service.engine.request import (
+    BeamParams,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+    build,
+)
 from tests.engine.harness import check_idle, drive, greedy
 
 
@@ -66,6 +73,18 @@ BAD = [
     ("prompt_token_ids[1]", dict(prompt=[1, 2.0])),
     ("prompt", lambda vocab, n_ctx: dict(prompt=[1] * (n_ctx - 8), stopping=dict(max_new_tokens=9))),
     ("prompt", lambda vocab, n_ctx: dict(prompt=[1] * n_ctx, stopping=dict(max_new_tokens=1))),
+    # beam search: its own ranges, and what it would not use refused by name (at temperature 0, which it runs at)
+    ("beam.width", dict(beam=BeamParams(1), sampling=dict(temperature=0.0))),
+    ("beam.width", dict(beam=BeamParams(17), sampling=dict(temperature=0.0))),
+    ("beam.width", dict(beam=BeamParams(9), sampling=dict(temperature=0.0))),  # more than max_running (8)
+    ("beam.length_penalty", dict(beam=BeamParams(2, 11.0), sampling=dict(temperature=0.0))),
+    ("beam.early_stopping", dict(beam=BeamParams(2, 1.0, "sometimes"), sampling=dict(temperature=0.0))),
+    ("n", dict(beam=BeamParams(2), n=3, sampling=dict(temperature=0.0))),
+    ("sampling.temperature", dict(beam=BeamParams(2))),  # 1.0, the default: beam search does not sample
+    ("sampling.temperature", dict(beam=BeamParams(2), sampling=dict(temperature=0.5))),
+    ("sampling.top_k", dict(beam=BeamParams(2), sampling=dict(temperature=0.0, top_k=5))),
+    ("stopping.min_new_tokens", dict(beam=BeamParams(2), sampling=dict(temperature=0.0), stopping=dict(min_new_tokens=1))),
+    ("logprobs", dict(beam=BeamParams(2), sampling=dict(temperature=0.0), logprobs=True)),
 ]
 
 
@@ -188,3 +207,10 @@ def test_unknown_parameter_is_named():
     with pytest.raises(InvalidRequest) as e:
         build(StoppingCriteria, "stopping", dict(max_tokens=3))
     assert e.value.field == "stopping.max_tokens"
+
+
+def test_beam_search_takes_a_seed_it_does_not_use(engine):
+    """As greedy sampling does: a seed chooses among random draws, and beam search makes none."""
+    engine.add(engine.new_request(request(beam=BeamParams(2), sampling=dict(temperature=0.0, seed=3))))
+    run = drive(engine)
+    assert not run.errors and len(run.tokens("bad", 0)) > 0

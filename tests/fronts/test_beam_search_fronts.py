@@ -59,7 +59,7 @@ def test_http_refuses_what_beam_search_does_not_use(srv, extra, param):
 
 def test_grpc_refuses_beam_fields_without_a_width_and_a_width_past_the_engine(srv):
     with Client(srv.address, timeout_s=60) as client:
-        for fields, name in (({"length_penalty": 2.0}, "beam_width"), ({"beam_width": 1}, "beam_width"),
+        for fields, name in (({"length_penalty": 2.0}, "length_penalty"), ({"beam_width": 1}, "beam_width"),
                              ({"beam_width": 4, "n": 5}, "n")):
             with pytest.raises(grpc.RpcError) as e:
                 client.generate(PROMPT, max_new_tokens=4, **fields)

@@ -436,7 +436,7 @@ def test_a_client_that_disconnects_frees_its_slot(engine_bundle, stream):
         # (a stream's slot can be free before the response's cleanup has run): each is waited for
         gone = srv.server.metrics.requests.labels("http", "/v1/completions", "499")
         wait_until(lambda: srv.server.engine.stats().running_requests == 0, what="the slot to be free")
-        wait_until(lambda: srv.server.state.active == 0, what="the call to leave the in-flight count")
+        wait_until(lambda: srv.server.serving.active == 0, what="the call to leave the in-flight count")
         wait_until(lambda: gone._value.get() == 1, what="the disconnect to be counted as a 499")
 
 
@@ -458,7 +458,7 @@ def test_503_while_loading_then_200_then_503_while_draining(engine_bundle):
             lines = r.iter_lines()
             next(lines)
             drained = srv.drain(30)
-            wait_until(lambda: not srv.server.state.accepting, 5, "draining")
+            wait_until(lambda: not srv.server.serving.accepting, 5, "draining")
             assert raw(srv, "GET", "/health").status_code == 503
             assert raw(srv, "POST", "/v1/completions", {"prompt": PROMPT}).status_code == 503
             rest = [line for line in lines if line]

@@ -1,9 +1,10 @@
 """The gRPC wire format: protobuf requests in, engine events back out as protobuf.
 
 Pure conversion, no I/O and no tensors, so the servicer, the in-process CLI and the tests share it.
-The checks and defaults are every front's (`service.fronts.validation`).
+The checks and defaults are every front's (`service.fronts.validation`); the proto spells the engine's
+fields as the engine does but for beam search's (`GRPC_NAMES`), which errors are given in.
 
-    accepted = parse_request(msg, model)         # raises InvalidRequest
+    accepted = parse_request(msg, model)         # raises InvalidRequest, in the engine's names
     stream = engine.submit(accepted.request)
     ... stream_messages(accepted, events, texts, ...) / Collector(accepted, texts).add(events) ...
 """
@@ -17,9 +18,10 @@ import numpy as np
 
 from attnserve.v1 import generate_pb2 as pb
 from service.engine.errors import InvalidRequest
-from service.engine.request import BeamParams, Constraint, FinishReason, TokenEvent
+from service.engine.request import Constraint, FinishReason, TokenEvent
 from service.engine.sequence import Timing
 from service.fronts.draft_counts import DraftCounts
+from service.fronts.field_names import FieldNames
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import AcceptedRequest, ModelFacts, accept, usable_prompt_ids
 
@@ -30,6 +32,9 @@ FINISH = {
     FinishReason.EOS: pb.FINISH_REASON_EOS_TOKEN,
     FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE,
 }
+# the engine's fields the proto spells otherwise: its beam search fields sit on GenerateRequest itself
+GRPC_NAMES = FieldNames({"beam.width": "beam_width", "beam.length_penalty": "length_penalty",
+                         "beam.early_stopping": "beam_stopping"})
 
 
 def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest:
@@ -38,9 +43,8 @@ def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest
     fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
               "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg),
-              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-              "beam": beam(msg)}
-    return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), model)
+              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None}
+    return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), beam_values(msg), model)
 
 
 def constraint(msg: pb.GenerateRequest) -> Constraint | None:
@@ -60,16 +64,18 @@ def constraint(msg: pb.GenerateRequest) -> Constraint | None:
 BEAM_STOPPING = {pb.BEAM_STOPPING_HEURISTIC: False, pb.BEAM_STOPPING_EARLY: True, pb.BEAM_STOPPING_NEVER: "never"}
 
 
-def beam(msg: pb.GenerateRequest) -> BeamParams | None:
-    """The request's beam search fields as the engine's `BeamParams` (None: it samples)."""
-    if msg.beam_width == 0:
-        if msg.HasField("length_penalty") or msg.beam_stopping:
-            raise InvalidRequest("beam_width", "length_penalty and beam_stopping need beam search: set beam_width")
-        return None
-    if msg.beam_stopping not in BEAM_STOPPING:
-        raise InvalidRequest("beam_stopping", f"{msg.beam_stopping} is not a BeamStopping value")
-    return BeamParams(msg.beam_width, msg.length_penalty if msg.HasField("length_penalty") else 1.0,
-                      BEAM_STOPPING[msg.beam_stopping])
+def beam_values(msg: pb.GenerateRequest) -> dict:
+    """The set beam search fields, as `BeamParams`' (width 0 and BEAM_STOPPING_HEURISTIC mean unset)."""
+    values = {}
+    if msg.beam_width:
+        values["width"] = msg.beam_width
+    if msg.HasField("length_penalty"):
+        values["length_penalty"] = _decimal(msg.length_penalty)
+    if msg.beam_stopping:
+        if msg.beam_stopping not in BEAM_STOPPING:
+            raise InvalidRequest("beam_stopping", f"{msg.beam_stopping} is not a BeamStopping value")
+        values["early_stopping"] = BEAM_STOPPING[msg.beam_stopping]
+    return values
 
 
 def sampling_values(msg: pb.SamplingParams) -> dict:
@@ -78,9 +84,14 @@ def sampling_values(msg: pb.SamplingParams) -> dict:
               "frequency_penalty": msg.frequency_penalty}
     values.update((name, getattr(msg, name)) for name in OPTIONAL_SAMPLING if msg.HasField(name))
     for name in FLOAT_SAMPLING:
-        if name in values:  # float32 on the wire: 0.8 arrives as 0.800000011920929; take the shortest decimal
-            values[name] = float(str(np.float32(values[name])))
+        if name in values:
+            values[name] = _decimal(values[name])
     return values
+
+
+def _decimal(value: float) -> float:
+    """A float32 field at its shortest decimal form: 0.8 arrives as 0.800000011920929, and is taken as 0.8."""
+    return float(str(np.float32(value)))
 
 
 def stopping_values(msg: pb.StoppingCriteria) -> dict:
@@ -120,8 +131,9 @@ def usage(accepted: AcceptedRequest, events_time: float, completion_tokens: int,
 
 
 @dataclass
-class StreamState:
-    """What a stream has sent so far."""
+class StreamProgress:
+    """What a GenerateStream call has sent so far: which completions have begun, whether the prompt's logprobs
+    went out, and the counts its last message's usage reports."""
 
     started: set[int] = field(default_factory=set)  # indices whose first message went out (for echo)
     prompt_logprobs_sent: bool = False  # they go out once, in the request's first message
@@ -129,7 +141,7 @@ class StreamState:
     drafts: DraftCounts = field(default_factory=DraftCounts)  # of the sequences that have ended
 
 
-def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamState,
+def stream_messages(accepted: AcceptedRequest, events: list[TokenEvent], texts: TokenTexts, sent: StreamProgress,
                     timing: Timing, last: bool) -> list[pb.GenerateStreamResponse]:
     """One message per completion index among `events` (events that arrived together are merged);
     `last` = these events end the request, so the final message carries the usage."""

@@ -18,10 +18,11 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
-from service.fronts.front_state import FrontState
 from service.fronts.generation import Generation
-from service.fronts.grpc.protocol import Collector, StreamState, parse_request, stream_messages
+from service.fronts.grpc.protocol import GRPC_NAMES, Collector, StreamProgress, parse_request, stream_messages
+from service.fronts.serving_context import ServingContext
 from service.fronts.status import internal_detail, status_for
+from service.fronts.validation import check_text_fits
 
 log = logging.getLogger("attnserve.server")
 
@@ -30,47 +31,43 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
-    def __init__(self, state: FrontState):
-        self.state = state
+    def __init__(self, serving: ServingContext):
+        self.serving = serving
 
     # ---- RPCs ----------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._generation(request, context, "Generate", whole=True) as (call, accepted, stream):
-            collector = Collector(accepted, self.state.texts)
-            while batch := await stream.next_batch():
-                call.observe(batch)
-                collector.add(batch)
-            return collector.response(stream.timing)
+        async with self._generation(request, context, "Generate", whole=True) as (accepted, generation):
+            collector = Collector(accepted, self.serving.texts)
+            async for _, events in generation.events():
+                collector.add(events)
+            return collector.response(generation.streams[0].timing)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
-        async with self._generation(request, context, "GenerateStream") as (call, accepted, stream):
-            sent = StreamState()
-            while batch := await self.state.next_message(stream):
-                call.observe(batch)
-                last = stream.finished
-                for msg in stream_messages(accepted, batch, self.state.texts, sent, stream.timing, last=last):
+        async with self._generation(request, context, "GenerateStream") as (accepted, generation):
+            sent, stream = StreamProgress(), generation.streams[0]
+            async for _, events in generation.events():
+                for msg in stream_messages(accepted, events, self.serving.texts, sent, stream.timing,
+                                           last=stream.finished):
                     await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async with self._rpc(context, "Tokenize"):
-            self.state.ready()
-            facts = self.state.model
-            if facts.max_prompt_chars is not None and len(request.text) > facts.max_prompt_chars:
-                raise InvalidRequest("text", f"has {len(request.text)} characters; the limit is "
-                                     f"{facts.max_prompt_chars} (no longer text can fit the model's prompt)")
+            self.serving.ready()
+            facts = self.serving.model
+            check_text_fits("text", request.text, facts)
 
             def tokenize() -> pb.TokenizeResponse:
                 ids = facts.tokenizer.encode(request.text)
-                return pb.TokenizeResponse(token_ids=ids, tokens=[self.state.texts(i) for i in ids])
+                return pb.TokenizeResponse(token_ids=ids, tokens=[self.serving.texts(i) for i in ids])
 
             return await asyncio.to_thread(tokenize) if len(request.text) > OFF_LOOP_CHARS else tokenize()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         async with self._rpc(context, "GetModelInfo"):
-            engine = self.state.ready()
+            engine = self.serving.ready()
             m, runner = engine.model, engine.runner
-            return pb.ModelInfo(name=self.state.served_name(), vocab_size=m.vocab_size, context_tokens=engine.context,
+            return pb.ModelInfo(name=self.serving.served_name(), vocab_size=m.vocab_size, context_tokens=engine.context,
                                 eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
                                 provider=runner.session.get_providers()[0], graph=runner.graph_name,
                                 architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,
@@ -81,9 +78,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):
-            info = pb.ServerInfo(uptime_seconds=time.monotonic() - self.state.started, version=__version__)
-            if self.state.engine is not None:
-                s = self.state.engine.stats()
+            info = pb.ServerInfo(uptime_seconds=time.monotonic() - self.serving.started, version=__version__)
+            if self.serving.engine is not None:
+                s = self.serving.engine.stats()
                 info.MergeFrom(pb.ServerInfo(
                     requests_running=s.running_requests, requests_waiting=s.waiting_requests, kv_slots=s.kv_slots,
                     kv_free_slots=s.kv_free_slots, kv_free_tokens=s.kv_free_tokens, tokens_per_second=s.tokens_per_s))
@@ -93,11 +90,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def _write(self, context, message) -> None:
         """Send one stream message; a client that reads none of it within write_timeout_s ends the stream."""
-        limit = self.state.settings.write_timeout_s
+        limit = self.serving.settings.write_timeout_s
         try:
             await asyncio.wait_for(context.write(message), limit)
         except TimeoutError:
-            self.state.metrics.connections_closed.labels("grpc", "write_timeout").inc()
+            self.serving.metrics.connections_closed.labels("grpc", "write_timeout").inc()
             log.info("ending a stream whose client read nothing for %g s (write_timeout_s)", limit)
             raise asyncio.CancelledError from None
         except grpc.aio.InternalError:  # the call is over: the client cancelled or went away
@@ -107,7 +104,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def _rpc(self, context, method: str):
         """Every RPC runs inside this: request id for the logs, status accounting, errors to status codes."""
         logs.request_id.set("-")
-        call = Call(self.state, "grpc", method)
+        call = Call(self.serving, "grpc", method)
         code = grpc.StatusCode.OK
         try:
             yield call
@@ -120,7 +117,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            status = status_for(e, self.state.retry_after_ms() if isinstance(e, Overloaded) else 0)
+            # a rule names a field as the engine does; the client is told the proto's name
+            error = GRPC_NAMES.renamed(e) if isinstance(e, InvalidRequest) else e
+            status = status_for(error, self.serving.retry_after_ms() if isinstance(e, Overloaded) else 0)
             code = status.code
             if status.is_bug:
                 log.error("%s: %s", status.details, internal_detail(e), exc_info=e)
@@ -132,21 +131,22 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     @contextlib.asynccontextmanager
     async def _generation(self, request: pb.GenerateRequest, context, method: str, whole: bool = False):
-        """Validate, submit, and hand the stream to the RPC body; always frees the request's slots. `whole`:
-        the body reads the events only once the request has ended."""
+        """Validate, submit, and hand the request and its `Generation` to the RPC body, which reads the events
+        with `Generation.events` as the HTTP front does; always frees the request's slots. `whole`: the body
+        reads the events only once the request has ended."""
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
-            self.state.admit()  # refused while loading or draining, before any parsing
+            self.serving.admit()  # refused while loading or draining, before any parsing
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
-            accepted = await asyncio.to_thread(parse_request, request, self.state.model) if long else \
-                parse_request(request, self.state.model)
+            accepted = await asyncio.to_thread(parse_request, request, self.serving.model) if long else \
+                parse_request(request, self.serving.model)
             logs.request_id.set(accepted.request_id)
             remaining = context.time_remaining()
             if remaining is not None:
                 accepted.request.deadline = time.monotonic() + remaining
-            generation = await Generation.start(self.state, call, [accepted], whole)
+            generation = await Generation.start(self.serving, call, [accepted], whole)
             try:
-                yield call, accepted, generation.streams[0]
+                yield accepted, generation
             finally:
                 generation.close()
 

@@ -29,19 +29,20 @@ from starlette.routing import Route
 from service import logs
 from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
-from service.fronts.front_state import FrontState
+from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
 from service.fronts.http.bearer_guard import BearerGuard
-from service.fronts.http.errors import HttpError, error_body, error_response, renamed
+from service.fronts.http.errors import HttpError, error_body, error_response
+from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
 from service.fronts.http.structured import constraint_of
+from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
-from service.fronts.tool_calls import ToolUse
-from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
+from service.fronts.validation import AcceptedRequest, accept, check_text_fits, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("attnserve.server")
@@ -53,8 +54,8 @@ T = TypeVar("T")
 
 
 class HttpFront:
-    def __init__(self, state: FrontState, token: str | None = None):
-        self.state = state
+    def __init__(self, serving: ServingContext, token: str | None = None):
+        self.serving = serving
         self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
         routes = [
             self._route("POST", "/v1/completions", self.completions),
@@ -64,7 +65,7 @@ class HttpFront:
             Route("/health", self.health, methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
-        self.app = BearerGuard(app, token, state)
+        self.app = BearerGuard(app, token, serving)
 
     def _route(self, method: str, path: str, handler: Callable[[Request, Call], Awaitable[Response]]) -> Route:
         """A counted endpoint: its call is measured under `path` (parameters unnamed by type), and whatever
@@ -72,7 +73,7 @@ class HttpFront:
         label = re.sub(r":\w+}", "}", path)
 
         async def endpoint(request: Request) -> Response:
-            call = Call(self.state, "http", label)
+            call = Call(self.serving, "http", label)
             try:
                 return await handler(request, call)
             except Exception as e:
@@ -83,21 +84,22 @@ class HttpFront:
     # ---- endpoints ------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        s = self.state
-        status = "serving" if s.serving else "loading" if s.engine is None else "draining"
-        return JSONResponse({"status": status}, status_code=200 if s.serving else 503)
+        s = self.serving
+        status = "serving" if s.taking_work else "loading" if s.engine is None else "draining"
+        return JSONResponse({"status": status}, status_code=200 if s.taking_work else 503)
 
     async def models(self, request: Request, call: Call) -> Response:
         return self._ok(call, JSONResponse({"object": "list", "data": [self._model_card()]}))
 
     async def model(self, request: Request, call: Call) -> Response:
-        check_model(request.path_params["model"], self.state)
+        check_model(request.path_params["model"], self.serving)
         return self._ok(call, JSONResponse(self._model_card()))
 
     async def completions(self, request: Request, call: Call) -> Response:
-        body, size = await read_body(request, CompletionRequest, self.state)
-        facts = self.state.model
-        renames = {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
+        body, size = await read_body(request, CompletionRequest, self.serving)
+        facts = self.serving.model
+        constraint, constraint_field = constraint_of(body)
+        names = completion_names(constraint_field)
         prompts = body.prompts()
 
         def accept_all() -> list[AcceptedRequest]:
@@ -109,24 +111,26 @@ class HttpFront:
                     text, ids = "", usable_prompt_ids(prompt, False, facts)
                 fields = {"prompt": text, "prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                           "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
-                          "echo": bool(body.echo),
+                          "echo": bool(body.echo), "constraint": constraint,
                           "prompt_logprobs": body.logprobs if body.echo else None}
                 accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                                      facts, renames, request))
+                                                      names, request))
             return accepted_requests
 
         heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
         accepted_requests = await _off_loop(heavy, accept_all)
         logs.request_id.set(accepted_requests[0].request_id)
-        builder = CompletionBuilder(self._served_name(), accepted_requests, self.state.texts,
+        builder = CompletionBuilder(self._served_name(), accepted_requests, self.serving.texts,
                                     self._include_usage(body))
-        return await self._generate(request, call, accepted_requests, builder, bool(body.stream), renames)
+        return await self._generate(request, call, accepted_requests, builder, bool(body.stream), names)
 
     async def chat_completions(self, request: Request, call: Call) -> Response:
-        body, size = await read_body(request, ChatCompletionRequest, self.state)
+        body, size = await read_body(request, ChatCompletionRequest, self.serving)
         template = self._chat_template()
-        facts = self.state.model
+        facts = self.serving.model
         conversation, tools = body.conversation(), body.tool_use(template.source)
+        constraint, constraint_field = constraint_of(body, tools)
+        names = chat_names(body, constraint_field)
 
         def render() -> list[int]:
             try:
@@ -134,36 +138,30 @@ class HttpFront:
                                        tools=tools.tools if tools else None)
             except ChatTemplateError as e:
                 raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
-            if facts.max_prompt_chars is not None and len(text) > facts.max_prompt_chars:
-                raise InvalidRequest("messages", f"{len(text)} characters cannot fit the model context of "
-                                     f"{facts.n_ctx} tokens")
+            check_text_fits("messages", text, facts)
             return facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
 
         ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
         if not ids:
             raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
         fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
-                  "top_logprobs": body.top_logprobs or 0,
-                  "logprobs": bool(body.logprobs)}
-        renames = {"prompt": "messages",
-                   "stopping.max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
-                   and body.max_tokens is None else "max_tokens"}
+                  "top_logprobs": body.top_logprobs or 0, "logprobs": bool(body.logprobs), "constraint": constraint}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        accepted = self._accept(fields, body, max_tokens, None, facts, renames, request, tools)
+        accepted = self._accept(fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
-        builder = ChatBuilder(self._served_name(), [accepted], self.state.texts, self._include_usage(body),
+        builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body),
                               tools.parser if tools else None)
-        return await self._generate(request, call, [accepted], builder, bool(body.stream), renames)
+        return await self._generate(request, call, [accepted], builder, bool(body.stream), names)
 
     # ---- generation -----------------------------------------------------------------------------
 
     async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
-                        builder: ResponseBuilder, stream: bool, renames: dict[str, str]) -> Response:
+                        builder: ResponseBuilder, stream: bool, names: FieldNames) -> Response:
         try:
             # the engine checks them; a response sent whole needs their events only at the end
-            generation = await Generation.start(self.state, call, accepted_requests, whole=not stream)
+            generation = await Generation.start(self.serving, call, accepted_requests, whole=not stream)
         except InvalidRequest as e:
-            raise renamed(e, renames) from None
+            raise names.renamed(e) from None
         if stream:
             outcome = {"code": "499"}  # until the stream ends otherwise: the client went away
 
@@ -217,20 +215,15 @@ class HttpFront:
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
-                default_max_new: int | None, facts, renames: dict[str, str], request: Request,
-                tools: ToolUse | None = None) -> AcceptedRequest:
-        """The engine request of `fields` and the body's sampling, stopping and constraint (or its `tools`'); errors
-        named as the body names them (`renames`), and the body's or the header's timeout as its deadline."""
-        constraint, asked_by = constraint_of(body, tools)
-        if asked_by:
-            renames["constraint"] = asked_by  # the engine's errors about it, named as the body names it
-        fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "constraint": constraint,
-                  "beam": body.beam()}
-        renames = {**renames, "beam_width": "best_of", "beam_stopping": "early_stopping"}
+                default_max_new: int | None, names: FieldNames, request: Request) -> AcceptedRequest:
+        """The engine request of `fields` and the body's sampling, stopping and beam search; errors named as the
+        body names the fields (`names`), and the body's or the header's timeout as its deadline."""
+        fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
         try:
-            accepted = accept(fields, body.sampling(), body.stopping(max_tokens), facts, default_max_new)
+            accepted = accept(fields, body.sampling(), body.stopping(max_tokens), body.beam(), self.serving.model,
+                              default_max_new)
         except InvalidRequest as e:
-            raise renamed(e, renames) from None
+            raise names.renamed(e) from None
         timeout = body.timeout if body.timeout is not None else header_timeout(request)
         if timeout is not None:
             if not (math.isfinite(timeout) and timeout > 0):
@@ -239,19 +232,19 @@ class HttpFront:
         return accepted
 
     def _served_name(self) -> str:
-        return self.state.served_name()
+        return self.serving.served_name()
 
     def _model_card(self) -> dict[str, Any]:
-        engine = self.state.ready()
-        return {"id": self.state.served_name(), "object": "model", "created": int(time.time() - (time.monotonic() -
-                self.state.started)), "owned_by": "attnserve", "max_model_len": engine.context}
+        engine = self.serving.ready()
+        return {"id": self.serving.served_name(), "object": "model", "created": int(time.time() - (time.monotonic() -
+                self.serving.started)), "owned_by": "attnserve", "max_model_len": engine.context}
 
     def _chat_template(self) -> ChatTemplate:
-        if self._template is None and self.state.ready().encoder_decoder:
+        if self._template is None and self.serving.ready().encoder_decoder:
             self._template = (None, "it is an encoder-decoder, which turns a source sequence into a target, "
                                     "not a conversation into a reply")
         if self._template is None:
-            bundle = self.state.ready().config.bundle
+            bundle = self.serving.ready().config.bundle
             try:
                 self._template = (ChatTemplate.from_bundle(bundle), "it has no chat template")
             except (ChatTemplateError, OSError, ValueError) as e:
@@ -274,7 +267,7 @@ class HttpFront:
         if isinstance(error, HttpError):
             status = error.status
         else:
-            retry_ms = self.state.retry_after_ms() if isinstance(error, Overloaded) else 0
+            retry_ms = self.serving.retry_after_ms() if isinstance(error, Overloaded) else 0
             status = http_status_for(error, retry_ms)
         if status.is_bug:
             log.error("%s: %s", status.message, internal_detail(error), exc_info=error)
@@ -286,7 +279,7 @@ class HttpFront:
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        self.state.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
+        self.serving.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
         return error_response(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
 
 

@@ -1,6 +1,6 @@
-"""The HTTP front's errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the
-engine's field names as the OpenAI request spells them (`max_tokens`, not `stopping.max_new_tokens`).
-The status of each engine error is `service.fronts.status`'s.
+"""The HTTP front's errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and a body's
+type errors named as the request spells the field. The status of each engine error is
+`service.fronts.status`'s; the engine's field names are renamed by `openai_names`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from service.fronts.status import HttpStatus
 
 ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
                429: "rate_limit_exceeded", 503: "service_unavailable", 408: "timeout"}
-# the engine's field names -> the OpenAI request's
-OPENAI_NAMES = {"prompt_token_ids": "prompt", "stopping.max_new_tokens": "max_tokens",
-                "stopping.min_new_tokens": "min_tokens", "stopping.stop": "stop",
-                "stopping.stop_token_ids": "stop_token_ids", "stopping.ignore_eos": "ignore_eos"}
 TYPE_TAG = re.compile(r"[\[\](),]|^(str|int|float|bool|none|dict)$|^[A-Z]")  # pydantic's union member names
 
 
@@ -32,25 +28,6 @@ def error_body(status: HttpStatus) -> dict[str, Any]:
 
 def error_response(status: HttpStatus) -> JSONResponse:
     return JSONResponse(error_body(status), status_code=status.status, headers=dict(status.headers))
-
-
-def openai_param(field: str, renames: dict[str, str]) -> str:
-    """An engine field path (`stopping.stop[2]`, `sampling.temperature`) as the request's field name."""
-    base = re.sub(r"\[\d+\]$", "", field)
-    if base in renames:
-        return renames[base]
-    if base in OPENAI_NAMES:
-        return OPENAI_NAMES[base]
-    return base.removeprefix("sampling.")
-
-
-def renamed(error: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
-    """The error as the HTTP client sees it: the field, and the engine's names in the message, OpenAI's."""
-    param = openai_param(error.field, renames)
-    message = str(error).removeprefix(error.field + ": ")
-    for engine_name in ("max_new_tokens", "min_new_tokens"):
-        message = message.replace(engine_name, openai_param("stopping." + engine_name, renames))
-    return InvalidRequest(param, message)
 
 
 def schema_error(error: ValidationError, schema: type[BaseModel], data: Any) -> InvalidRequest:

@@ -18,7 +18,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
-from service.engine.request import BeamParams
 from service.fronts.tool_calls import ToolUse
 
 Number = StrictInt | StrictFloat
@@ -99,25 +98,17 @@ class SamplingFields(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise InvalidRequest("logit_bias", "is not supported by this server")
-        if not self.use_beam_search:
-            for name in ("length_penalty", "early_stopping"):
-                if getattr(self, name) is not None:
-                    raise InvalidRequest(name, "applies to beam search only: set use_beam_search")
-            if self.best_of is not None and self.best_of != (self.n or 1):
-                raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned), "
-                                     "or as the beam width with use_beam_search")
+        if not self.use_beam_search and self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned), "
+                                 "or as the beam width with use_beam_search")
 
-    def beam(self) -> BeamParams | None:
-        """The beam search the body asks for: best_of beams (default n), the n best returned."""
-        if not self.use_beam_search:
-            return None
-        if self.temperature not in (None, 0):
-            raise InvalidRequest("temperature", "must be 0 or unset with use_beam_search: beam search does not sample")
-        width = self.best_of if self.best_of is not None else (self.n or 1)
-        if width < 2:
-            raise InvalidRequest("best_of", f"{width}: beam search keeps at least 2 beams (best_of, default n)")
-        return BeamParams(width, 1.0 if self.length_penalty is None else self.length_penalty,
-                          False if self.early_stopping is None else self.early_stopping)
+    def beam(self) -> dict[str, Any]:
+        """The beam search values the body set, as `BeamParams`' fields: with use_beam_search, best_of beams
+        (default n); the others are refused without it (`service.fronts.validation.beam_search`)."""
+        values = {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
+        if self.use_beam_search:
+            values["width"] = self.best_of if self.best_of is not None else (self.n or 1)
+        return {name: value for name, value in values.items() if value is not None}
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling values the client set (unset ones keep the engine's defaults)."""
@@ -292,7 +283,6 @@ class ChatCompletionRequest(SamplingFields):
                 message["content"] = "".join(parts)
             out.append(message)
         return out
-
 
 
 def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 (`json_body`), the list limits that depend on the engine, then validated as the endpoint's schema;
 and the deadline a request carries in its `X-Request-Timeout` header.
 
-    body, size = await read_body(request, CompletionRequest, state)
+    body, size = await read_body(request, CompletionRequest, serving)
 """
 
 from __future__ import annotations
@@ -14,27 +14,27 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from service.engine.errors import InvalidRequest
-from service.fronts.front_state import FrontState
 from service.fronts.generation import ClientGone
 from service.fronts.http import json_body
 from service.fronts.http.errors import BodyTimeout, TooLarge, UnknownModel, schema_error
 from service.fronts.http.openai_schema import CompletionRequest
+from service.fronts.serving_context import ServingContext
 
 TIMEOUT_HEADER = "x-request-timeout"
 
 
-async def read_body(request: Request, schema: type[BaseModel], state: FrontState):
+async def read_body(request: Request, schema: type[BaseModel], serving: ServingContext):
     """The body as `schema`, and its size: 413 past the size limit, 408 past the body deadline, 400 for
     JSON or a field of the wrong type, or a list longer than its limit (`json_body`, `check_counts`).
     Checks first that the server is serving (503) and the model is this one (404)."""
-    state.admit()
-    max_body = state.settings.max_receive_message_bytes
+    serving.admit()
+    max_body = serving.settings.max_receive_message_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body:
         raise TooLarge(int(declared), max_body)
     chunks, size = [], 0
     try:
-        async with asyncio.timeout(state.settings.body_timeout_s):
+        async with asyncio.timeout(serving.settings.body_timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_body:
@@ -43,13 +43,13 @@ async def read_body(request: Request, schema: type[BaseModel], state: FrontState
     except ClientDisconnect:
         raise ClientGone("the client disconnected while sending") from None
     except TimeoutError:
-        raise BodyTimeout(size, state.settings.body_timeout_s) from None
-    hint = (f" (and at most {state.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
+        raise BodyTimeout(size, serving.settings.body_timeout_s) from None
+    hint = (f" (and at most {serving.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
             else "")
     data = await json_body.parse(b"".join(chunks), hint)
-    check_counts(data, state)
+    check_counts(data, serving)
     body = validated(schema, data)
-    check_model(body.model, state)
+    check_model(body.model, serving)
     body.refuse_unsupported()
     return body, size
 
@@ -63,7 +63,7 @@ def validated(schema: type[BaseModel], data: Any) -> Any:
         raise schema_error(e, schema, data) from None
 
 
-def check_counts(data: Any, state: FrontState) -> None:
+def check_counts(data: Any, serving: ServingContext) -> None:
     """The limits on lists whose length depends on the engine, before any item is looked at: prompts
     (what could ever be admitted at once) and chat messages (each takes at least a token)."""
     if not isinstance(data, dict):
@@ -71,19 +71,19 @@ def check_counts(data: Any, state: FrontState) -> None:
     prompt, messages = data.get("prompt"), data.get("messages")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         n = data["n"] if isinstance(data.get("n"), int) and data["n"] > 0 else 1
-        engine = state.ready()
+        engine = serving.ready()
         most = engine.most_admitted_at_once(n)
         if len(prompt) > most:
             raise InvalidRequest("prompt", f"holds {len(prompt)} prompts; at most {most} can be admitted at once "
                                  f"(max_running {engine.max_running} sequences, max_waiting "
                                  f"{engine.config.max_waiting} requests, n {n})")
-    if isinstance(messages, list) and state.model is not None and len(messages) > state.model.n_ctx:
-        raise InvalidRequest("messages", f"holds {len(messages)} messages; at most {state.model.n_ctx} fit "
-                             f"the model context of {state.model.n_ctx} tokens")
+    if isinstance(messages, list) and serving.model is not None and len(messages) > serving.model.n_ctx:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; at most {serving.model.n_ctx} fit "
+                             f"the model context of {serving.model.n_ctx} tokens")
 
 
-def check_model(name: str | None, state: FrontState) -> None:
-    served = state.served_name()
+def check_model(name: str | None, serving: ServingContext) -> None:
+    served = serving.served_name()
     if name and name != served:
         raise UnknownModel(name, served)
 

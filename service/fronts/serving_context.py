@@ -1,11 +1,11 @@
-"""What the fronts share at run time: the one engine, whether it takes work, the requests in flight
-(for the drain) and the retry-after hint; the streaming cadence is `stream_cadence.py`'s, each call's
-metrics `call.py`'s.
+"""What the fronts share at run time: the one engine, whether it takes work, what validation knows of the
+model, the requests in flight (for the drain) and the retry-after hint; the streaming cadence is
+`stream_cadence.py`'s, each call's metrics `call.py`'s.
 
-    state = FrontState(settings, metrics)      # one per process; every front holds it
-    state.attach(engine)                        # once the model is warm: fronts start accepting
-    engine = state.admit()                      # NotReady while loading, EngineStopped once draining
-    state.in_flight_enter() ... state.in_flight_leave()   # a generation in progress (`Generation` does it)
+    serving = ServingContext(settings, metrics)   # one per process; every front holds it
+    serving.attach(engine)                        # once the model is warm: fronts start accepting
+    engine = serving.admit()                      # NotReady while loading, EngineStopped once draining
+    serving.in_flight_enter() ... serving.in_flight_leave()   # a generation in progress (`Generation` does it)
 
 One engine, one queue, one set of limits: a request over gRPC and one over HTTP are admitted by the
 same `AsyncEngine.submit`, counted in the same `active`, and drained together.
@@ -33,7 +33,9 @@ log = logging.getLogger("attnserve.server")
 COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
 
 
-class FrontState:
+class ServingContext:
+    """The server's context for its fronts, one per process, shared by every call on every front."""
+
     def __init__(self, settings: ServerSettings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
@@ -63,7 +65,8 @@ class FrontState:
         self.accepting = True
 
     @property
-    def serving(self) -> bool:
+    def taking_work(self) -> bool:
+        """The model is warm and the server is not draining: new generations are admitted."""
         return self.accepting and self.engine is not None
 
     def ready(self) -> AsyncEngine:
