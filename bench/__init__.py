@@ -11,7 +11,6 @@
   - plots.py           the PNG plots of the results
   - roofline.py        the bytes a batch-1 decode step reads, and the tokens/s the read bandwidth allows for them
   - serve_http.py      the load generator's HTTP client (`bench serve --protocol http`)
-  - server_process.py  a server in a child process: `attnserve serve`, or the no-op server
   - sizes.py           the three model sizes the comparisons run, prepared for every system
   - stagger.py         when the load generator's clients start
   - stats.py           latency and throughput accounting over request records

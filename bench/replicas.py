@@ -48,10 +48,11 @@ import httpx2
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench.peers.protocol import percentile
-from bench.server_process import ROOT, free_port
 from service.client.grpc_client import channel_options
 from service.client.health_probe import check
+from service.client.server_process import free_port
 
+ROOT = Path(__file__).resolve().parents[1]
 NGINX_TEMPLATE = ROOT / "deploy" / "nginx" / "attnserve.conf.template"
 NGINX_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnserve" / "nginx"
 FAIL_TIMEOUT_S = 2.0  # the template's fail_timeout: nginx's passive health-check interval
