@@ -5,9 +5,10 @@ chunks, the usage chunk and `[DONE]`, in the HTTP front's shapes (and `/health`,
 
     python -m bench.noop_server --port 50052 [--http-port 8001]
 
-`attnserve bench serve --noop-check` runs it in a child process and drives it with the same client
-code and concurrency as the real run: the tokens per second it reaches is a lower bound on what
-the client side can take in (the no-op server shares the machine with it).
+`attnserve bench serve --noop-check` runs it in a child process (`ServerProcess(command=COMMAND)`: it takes
+`attnserve serve`'s host and port flags) and drives it with the same client code and concurrency as the real
+run: the tokens per second it reaches is a lower bound on what the client side can take in (the no-op
+server shares the machine with it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 
 import grpc
 import uvicorn
@@ -29,6 +31,7 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 
 VOCAB = 4096
 CONTEXT = 1 << 20
+COMMAND = (sys.executable, "-m", "bench.noop_server")  # for ServerProcess
 
 
 class NoopGeneration(pb_grpc.TextGenerationServicer):
@@ -91,16 +94,16 @@ def http_app() -> Starlette:
                              Route("/health", health_check, methods=["GET"])])
 
 
-async def serve(port: int, http_port: int = 0) -> None:
+async def serve(port: int, http_port: int = 0, host: str = "127.0.0.1") -> None:
     server = grpc.aio.server()
     pb_grpc.add_TextGenerationServicer_to_server(NoopGeneration(), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(f"{host}:{port}")
     await server.start()
     if http_port:
         # uvicorn takes SIGTERM, stops, then raises it again: the process ends as it would without uvicorn
-        http = uvicorn.Server(uvicorn.Config(http_app(), host="127.0.0.1", port=http_port, lifespan="off",
+        http = uvicorn.Server(uvicorn.Config(http_app(), host=host, port=http_port, lifespan="off",
                                              log_level="warning", access_log=False))
         task = asyncio.create_task(http.serve())
         while not http.started:  # SERVING only once both ports accept
@@ -114,11 +117,14 @@ async def serve(port: int, http_port: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.noop_server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address both ports bind to")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--http-port", type=int, default=0, help="also serve /v1/completions here (0 = no HTTP)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="taken as `attnserve serve` takes it; no metrics are served")
     args = p.parse_args(argv)
     try:
-        asyncio.run(serve(args.port, args.http_port))
+        asyncio.run(serve(args.port, args.http_port, args.host))
     except KeyboardInterrupt:
         pass
     return 0

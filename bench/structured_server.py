@@ -113,11 +113,11 @@ def server_part(bundle: Path, hf_dir: Path | None = None, work: Path | None = No
         settings = {"engine": {"graph": engine.runner.graph_name, "prefix_caching": False, **lim,
                                "api": "Engine.generate, the prompts at once (streams) or one by one (batch 1)"}}
         if http:
-            from bench.server_process import ServerProcess
+            from service.client.server_process import ServerProcess
 
             args = serve_args(bundle, GRAPH, lim)
             drivers.append(AttnserveHttp(stack.enter_context(ServerProcess(args)).http_url))
-            settings["http"] = {"server": "attnserve " + " ".join(args),
+            settings["http"] = {"server": "attnserve serve " + " ".join(args),
                                 "request": drivers[-1].body(["ids"], 0, budget, {"...": "the schema"})}
         if llama:
             driver, settings["llama.cpp"] = start_llama(stack, hf_dir, work or Path("runs"), spec, notes, log)

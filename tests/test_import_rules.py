@@ -7,7 +7,9 @@ including those inside functions):
 - export/ and model/ use from service/ only the runtime (the bundle format, the tokenizer, the runners);
 - the network (the modules at the top of model/) imports neither training (model/training/) nor Hugging Face
   conversion (model/hf/), and export/ builds on the network alone;
-- no two modules of model/ import each other, directly or through others;
+- no two modules of service/, model/ or export/ import each other, directly or through others: an import
+  inside a function or under TYPE_CHECKING counts too, as it hides a cycle from the interpreter, not from
+  whoever reads the two modules;
 - no test outside tests/bench imports bench/.
 """
 
@@ -21,6 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # every package of model/: the network at the top, and the subpackages that build on it
 MODEL_PACKAGES = ("model", "model/training", "model/hf")
+# the folders no import cycle may run through
+CYCLE_FREE = ("service", "model", "export")
 
 FRONT_MODULES = ("grpc", "grpc_health", "grpc_reflection", "attnserve.v1", "fastapi", "starlette", "uvicorn",
                  "http", "service.fronts", "service.client", "service.server", "service.settings")
@@ -41,8 +45,8 @@ def under(module: str, *packages: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def sources(*folders: str) -> list[Path]:
-    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+def sources(*folders: str, root: Path = ROOT) -> list[Path]:
+    return sorted(p for folder in folders for p in (root / folder).rglob("*.py"))
 
 
 def offences(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
@@ -82,12 +86,13 @@ def test_export_builds_on_the_network_alone():
     assert offences(sources("export"), ("model.training", "model.hf")) == []
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
-def test_no_import_cycle_in_model():
-    files = {module_name(p): p for p in sources("model")}
+def import_graph(*folders: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of `folders` -> the modules of `folders` it imports, by any import statement in it."""
+    files = {module_name(p, root): p for p in sources(*folders, root=root)}
     graph = {}
     for name, path in files.items():
         graph[name] = set()
@@ -98,7 +103,11 @@ def test_no_import_cycle_in_model():
                 # `from model.training import g2p_data` imports the module model.training.g2p_data
                 graph[name].update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
                                    for a in node.names if node.module in files or f"{node.module}.{a.name}" in files)
+    return graph
 
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others, each group sorted."""
     def reachable(start: str) -> set[str]:
         seen, todo = set(), list(graph[start])
         while todo:
@@ -108,7 +117,27 @@ def test_no_import_cycle_in_model():
                 todo.extend(graph[name])
         return seen
 
-    assert sorted(name for name in graph if name in reachable(name)) == []
+    reach = {name: reachable(name) for name in graph}
+    groups = {tuple(sorted(other for other in reach[name] if name in reach[other]))
+              for name in graph if name in reach[name]}
+    return [list(group) for group in sorted(groups)]
+
+
+def test_the_cycle_rule_sees_imports_in_functions_and_under_type_checking(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from pkg import a\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n")
+    (package / "d.py").write_text("import pkg.c\nimport pkg.a\n")
+    graph = import_graph("pkg", root=tmp_path)
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.c"] == {"pkg.d"}
+    assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+def test_no_import_cycle_in_service_model_or_export():
+    assert cycles(import_graph(*CYCLE_FREE)) == []
 
 
 def test_no_test_outside_tests_bench_imports_bench():

@@ -28,8 +28,8 @@ from attnserve.arguments import HintingParser
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from bench.machine import RESULTS_DIR, describe, machine_line, publish
-from bench.server_process import ServerProcess
 from service.client import build_request
+from service.client.server_process import ServerProcess
 
 BODY_BYTES = 4 * 2**20 - 64
 
@@ -152,7 +152,7 @@ def run(bundle: str, connections: int, hold_s: float) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < connections + 256:  # raise only: this process may hold more already
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, connections + 256), hard))
-    with ServerProcess(["serve", "--bundle", bundle]) as srv:
+    with ServerProcess(["--bundle", bundle]) as srv:
         pid = srv.proc.pid
         url, address = srv.http_url, srv.address
         with Watcher(url, address) as quiet:

@@ -27,8 +27,8 @@ import numpy as np
 
 from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
-from bench.server_process import ServerProcess
 from service.client import Client
+from service.client.server_process import ServerProcess
 from service.engine.config import DEFAULT_BUNDLE
 
 GPT2_124M = dict(layers=12, heads=12, hidden=768, vocab=50257, context=1024)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="attnserve-prefix-") as tmp:
         bundle = random_bundle(DEFAULT_BUNDLE, Path(tmp) / "bundle", n_layer=args.layers, n_head=args.heads,
                                d_model=args.hidden, vocab_size=args.vocab, n_ctx=args.context)
-        common = ["serve", "--bundle", str(bundle), "--graph", "static", "--max-running", "4", "--no-warmup"]
+        common = ["--bundle", str(bundle), "--graph", "static", "--max-running", "4", "--no-warmup"]
         with ServerProcess(common) as on, ServerProcess([*common, "--no-prefix-caching"]) as off, \
                 Client(on.address, timeout_s=600) as c_on, Client(off.address, timeout_s=600) as c_off:
             first_token(c_on, rng.integers(1, args.vocab, 64).tolist(), 1)  # first runs allocate: untimed

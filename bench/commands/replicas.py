@@ -3,7 +3,7 @@
     attnserve bench replicas                           # capacity with 1, 2, 3 replicas; a roll and a kill per path
     attnserve bench replicas --rounds 1 --skip-roll    # the capacity table alone
 
-- **Capacity**: 1, 2 and 3 replicas (`bench.replicas.Fleet`), `--clients` streaming gRPC clients balanced over
+- **Capacity**: 1, 2 and 3 replicas (`bench.fleet.Fleet`), `--clients` streaming gRPC clients balanced over
   them by the client's round robin, each request `--prompt-tokens` in and `--new-tokens` out. Tokens/s and
   TTFT over a window of steady load (`bench.replicas.capacity`), in `--rounds` rounds with the replica counts
   interleaved; medians reported. Every replica shares this machine's cores: the figures show what
@@ -27,8 +27,11 @@ from collections import Counter
 from pathlib import Path
 
 from attnserve.arguments import HintingParser
+from bench.fleet import Fleet
+from bench.load_clients import StreamLoad
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
-from bench.replicas import PATHS, Fleet, Nginx, StreamLoad, capacity, kill_under_load, load_on, roll_under_load
+from bench.nginx import Nginx
+from bench.replicas import PATHS, capacity, kill_under_load, load_on, roll_under_load
 from service.engine.config import DEFAULT_BUNDLE
 
 
@@ -76,7 +79,6 @@ def roll_and_kill(args) -> tuple[list[dict], list[dict]]:
                             deadline_s=60.0)
             killed_at = asyncio.run(kill_under_load(load, victim))
             victim.start()
-            victim.wait_serving()
             failed = [o for o in load.outcomes if o.code != "OK"]
             later = [o for o in load.outcomes if o.sent > killed_at]
             kills.append({"path": path, "failed": dict(Counter(o.code for o in failed)),

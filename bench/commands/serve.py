@@ -169,9 +169,10 @@ def line(level: Level) -> str:
 
 def noop_check(args, concurrency: int) -> dict:
     """The client side alone: the same clients against a server that only sends messages."""
-    from bench.server_process import ServerProcess
+    from bench import noop_server
+    from service.client.server_process import ServerProcess
 
-    with ServerProcess([], module="bench.noop_server") as srv:
+    with ServerProcess(command=noop_server.COMMAND, name="noop") as srv:
         levels = run_levels(srv.address, args, [concurrency], progress=lambda s: print("no-op server:", s),
                             http_url=srv.http_url if args.protocol == "http" else None)
     s = levels[0].summary
@@ -215,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         graph = asyncio.run(model_info(address)).graph
         server = http_url or args.server
     else:
-        from bench.server_process import ServerProcess
+        from service.client.server_process import ServerProcess
 
         bundle = args.bundle or DEFAULT_BUNDLE
-        serve_args = ["serve", "--bundle", str(bundle), "--max-running", str(max(64, max(levels))),
+        serve_args = ["--bundle", str(bundle), "--max-running", str(max(64, max(levels))),
                       *args.server_arg]
         with ServerProcess(serve_args) as srv:
             results = run_levels(srv.address, args, levels, http_url=srv.http_url if http else None)

@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = asyncio.run(soak(args.server, args.pid, seconds, args.concurrency, args.interval, args.seed))
         server = args.server
     else:
-        from bench.server_process import ServerProcess
+        from service.client.server_process import ServerProcess
 
         bundle = args.bundle or DEFAULT_BUNDLE
-        with ServerProcess(["serve", "--bundle", str(bundle)]) as srv:
+        with ServerProcess(["--bundle", str(bundle)]) as srv:
             raw = asyncio.run(soak(srv.address, srv.pid, seconds, args.concurrency, args.interval, args.seed))
         server = f"attnserve serve --bundle {bundle.name}"
     result = {"machine": describe(), "server": server, "minutes": args.minutes, "concurrency": args.concurrency,

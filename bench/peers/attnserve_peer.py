@@ -5,7 +5,7 @@
 
 `bench.commands.compare` runs this in a child process per system and round, so that every system's peak RSS
 is its own: in-process, the VmHWM of this process (the engine and the bundle it loaded); over gRPC,
-the VmHWM of the `attnserve serve` child (`bench.server_process.ServerProcess`), read before it stops.
+the VmHWM of the `attnserve serve` child (`service.client.server_process.ServerProcess`), read before it stops.
 
 **Settings.** The graph is pinned (`--graph`), `max_running` = the 32 streams, `max_batch_tokens` =
 room for all 32 prompts in one prefill, `max_context` = the longest prompt plus the new tokens (each
@@ -48,8 +48,8 @@ def limits(spec: dict) -> dict:
 
 
 def serve_args(bundle: Path, graph: str, lim: dict) -> list[str]:
-    """`attnserve serve` with the graph pinned, prefix caching off and the `limits`."""
-    return ["serve", "--bundle", str(bundle), "--graph", graph, "--no-prefix-caching", "--allow-low-agreement",
+    """`attnserve serve`'s flags: the graph pinned, prefix caching off and the `limits`."""
+    return ["--bundle", str(bundle), "--graph", graph, "--no-prefix-caching", "--allow-low-agreement",
             "--max-running", str(lim["max_running"]), "--max-batch-tokens", str(lim["max_batch_tokens"]),
             "--max-context", str(lim["max_context"])]
 
@@ -157,7 +157,7 @@ async def grpc_rounds(address: str, spec: dict) -> tuple[Recorder, list[list[int
 
 
 def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[list[int]], dict, int]:
-    from bench.server_process import ServerProcess
+    from service.client.server_process import ServerProcess
 
     lim = limits(spec)
     args = serve_args(bundle, graph, lim)
@@ -166,7 +166,7 @@ def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[Recorder, list[list
         rss = peak_rss_bytes(srv.pid)
     settings = {"graph": graph, "threads": "onnxruntime default (one per core)", "prefix_caching": False, **lim,
                 "api": "gRPC GenerateStream, one stream per sequence, no stagger",
-                "server": "attnserve serve " + " ".join(args[1:]) + " (stream settings at their defaults)"}
+                "server": "attnserve serve " + " ".join(args) + " (stream settings at their defaults)"}
     return rec, tokens, settings, rss
 
 

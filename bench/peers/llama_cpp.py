@@ -29,8 +29,8 @@ import httpx2
 
 from bench import workload
 from bench.peers.protocol import peak_rss_bytes
-from bench.server_process import free_port, stop
 from bench.stats import RequestRecord, percentile
+from service.client.server_process import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "bench" / "peers" / "build-llama-cpp.sh"

@@ -65,16 +65,16 @@ def in_process(bundle: Path, graph: str, spec: dict) -> tuple[dict, dict]:
 
 
 def over_grpc(bundle: Path, graph: str, spec: dict) -> tuple[dict, dict]:
-    from bench.server_process import ServerProcess
+    from service.client.server_process import ServerProcess
 
     lim = limits(spec)
-    args = ["serve", "--bundle", str(bundle), "--graph", graph, "--max-running", str(lim["max_running"]),
+    args = ["--bundle", str(bundle), "--graph", graph, "--max-running", str(lim["max_running"]),
             "--max-batch-tokens", str(lim["max_batch_tokens"])]
     with ServerProcess(args) as srv:
         result = asyncio.run(grpc_measure(srv.address, spec))
         rss = peak_rss_bytes(srv.pid)
     return {**result, "peak_rss_bytes": rss}, {**lim, "api": "gRPC Generate (unary), C in flight",
-                                               "server": "attnserve " + " ".join(args)}
+                                               "server": "attnserve serve " + " ".join(args)}
 
 
 async def grpc_measure(address: str, spec: dict) -> dict:

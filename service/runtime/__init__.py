@@ -9,5 +9,7 @@
     chat_template.py  the model's chat template: messages -> prompt text, as transformers renders it
     graph_choice.py   which graph to serve on this CPU (`--graph auto`)
     self_check.py     a graph against the fp32 graph, and for batch invariance, before serving
+    seq2seq_check.py  the self-check's probe for an encoder-decoder
+    probes.py         what the self-check measures with, for either kind of model: Agreement, Invariance
     cpu.py            this CPU's model, cores and instruction-set flags
 """

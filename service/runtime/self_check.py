@@ -17,7 +17,8 @@ sequences the way serving runs them: the first half in one prefill, the rest one
 time, each reading the cache the steps before wrote (the part another provider could get wrong).
 A check costs a few milliseconds for the default model and leaves no cache attached to either runner.
 
-An encoder-decoder's graphs are probed alike with sources and targets (`seq2seq_check.py`).
+An encoder-decoder's graphs are probed alike with sources and targets (`seq2seq_check.py`); the probe's size
+and what a probe measures are shared by both (`probes.py`).
 
 Every graph, fp32 on the CPU included, is also probed for **batch invariance**: `INVARIANCE_ROWS` rows of
 the probe are scored alone, then inside a batch of all the probe's rows, whose prompts have other lengths
@@ -29,72 +30,34 @@ the whole batch's activations by one number, does (docs/onnx.md). `graph_choice`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from service.runtime.bundle import BundleError
 from service.runtime.cpu import cpu_info
+from service.runtime.probes import (
+    INVARIANCE_ROWS,
+    INVARIANCE_STEPS,
+    PROBE_ROWS,
+    PROBE_SEED,
+    PROBE_TOKENS,
+    Agreement,
+    Invariance,
+    Probes,
+    sample_tokens,
+)
+from service.runtime.seq2seq_check import SEQ2SEQ_PROBES
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.static_runner import StaticRunner
 
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = 8
-PROBE_TOKENS = 64
-PROBE_SEED = 20240
 # least top-1 agreement with fp32 on the probe, by weight precision. Measured on the default model
 # (docs/onnx.md): 8-bit formats 0.95-0.996, 4-bit 0.84-0.89 (what --int4 writes: 0.86 with AVX-512 and
 # with AVX2 alone); another model's graph far below
 MIN_AGREEMENT = {"int8": 0.90, "int4": 0.80, "float16": 0.95}
 LOGIT_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
-INVARIANCE_ROWS = (0, PROBE_ROWS - 1)  # probe rows scored alone and among the others
-INVARIANCE_STEPS = 16  # decode steps after the prefill
-
-
-@dataclass
-class Agreement:
-    top1: float  # fraction of probe positions where both graphs' most likely token is the same
-    positions: int  # probe positions compared
-    max_abs_diff: float  # largest |Δlogit| over them
-    scale: float  # largest |logit| of the reference
-
-    @classmethod
-    def of(cls, got: np.ndarray, want: np.ndarray) -> Agreement:
-        """How closely logits `got` follow the reference's `want` (the vocabulary on the last axis)."""
-        same = got.argmax(-1) == want.argmax(-1)
-        return cls(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
-                   scale=max(float(np.abs(want).max()), 1.0))
-
-
-@dataclass
-class Invariance:
-    identical: bool  # every compared logit the same bits alone and in the batch
-    rows: int  # rows scored alone
-    batch: int  # rows in the batch they were scored in
-    max_abs_diff: float
-
-    @classmethod
-    def of(cls, alone: np.ndarray, together: np.ndarray, batch: int) -> Invariance:
-        """Rows' logits scored alone against the same rows scored in a batch of `batch`."""
-        return cls(identical=bool(np.array_equal(alone, together)), rows=len(alone), batch=batch,
-                   max_abs_diff=float(np.abs(alone - together).max()))
-
-    def describe(self) -> str:
-        verdict = "identical" if self.identical else f"differ by up to {self.max_abs_diff:.3g}"
-        return f"batch-invariant: {'yes' if self.identical else 'no'} ({self.rows} rows alone and among " \
-               f"{self.batch}: logits {verdict})"
-
-
-@dataclass(frozen=True)
-class Probes:
-    """How a kind of model is probed: `probe(reference)` makes the probe, `agreement(candidate, reference,
-    probe)` and `batch_invariance(runner, probe)` measure a graph on it."""
-
-    probe: Callable
-    agreement: Callable
-    batch_invariance: Callable
 
 
 @dataclass
@@ -231,11 +194,7 @@ def _export_flag(runner: StaticRunner) -> str:
 
 
 def probes_for(runner: StaticRunner) -> Probes:
-    if runner.manifest.model.encoder_decoder:
-        from service.runtime.seq2seq_check import PROBES
-
-        return PROBES
-    return DECODER_PROBES
+    return SEQ2SEQ_PROBES if runner.manifest.model.encoder_decoder else DECODER_PROBES
 
 
 def open_reference(runner: StaticRunner) -> StaticRunner:
@@ -247,13 +206,6 @@ def open_reference(runner: StaticRunner) -> StaticRunner:
             return StaticRunner(runner.bundle_dir, name, provider="cpu")
     raise BundleError(f"graph {runner.graph_name!r} cannot be checked: the bundle has no fp32 static graph to "
                       "compare it with; re-export it with a current 'attnserve export'")
-
-
-def sample_tokens(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    z = logits.astype(np.float64)
-    p = np.exp(z - z.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.array([rng.choice(len(row), p=row) for row in p])
 
 
 DECODER_PROBES = Probes(probe_sequences, agreement, batch_invariance)

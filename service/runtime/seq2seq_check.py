@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.runtime.self_check import (
+from service.runtime.probes import (
     INVARIANCE_ROWS,
     INVARIANCE_STEPS,
     PROBE_ROWS,
@@ -79,4 +79,4 @@ def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> Invariance:
     return Invariance.of(alone, together[probed], len(p.sources))
 
 
-PROBES = Probes(probe, agreement, batch_invariance)
+SEQ2SEQ_PROBES = Probes(probe, agreement, batch_invariance)

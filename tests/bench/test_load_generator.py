@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from bench import workload
+from bench import noop_server, workload
 from bench.commands.serve import drive, main
 from bench.serve_http import HttpLoad
-from bench.server_process import ServerProcess
 from bench.stats import summarize
+from service.client.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def noop():
-    with ServerProcess([], module="bench.noop_server") as srv:
+    with ServerProcess(command=noop_server.COMMAND, name="noop") as srv:
         yield srv
 
 
@@ -58,7 +58,7 @@ def test_errors_are_counted_by_status_code(noop):
 
 @pytest.mark.slow
 def test_against_attnserve_every_stream_gets_exactly_what_it_asked(tiny_bundle):
-    with ServerProcess(["serve", "--bundle", str(tiny_bundle), "--max-running", "8", "--max-batch-tokens", "64",
+    with ServerProcess(["--bundle", str(tiny_bundle), "--max-running", "8", "--max-batch-tokens", "64",
                         "--threads", "1"]) as srv:
         items = workload.mixed(12, vocab=97, context=128, seed=0)
         records = asyncio.run(drive(srv.address, workload.batches(items, 6)))
@@ -69,7 +69,7 @@ def test_against_attnserve_every_stream_gets_exactly_what_it_asked(tiny_bundle):
 
 @pytest.mark.slow
 def test_over_http_against_attnserve_every_stream_gets_exactly_what_it_asked(tiny_bundle, tmp_path, capsys):
-    with ServerProcess(["serve", "--bundle", str(tiny_bundle), "--max-running", "8", "--max-batch-tokens", "64",
+    with ServerProcess(["--bundle", str(tiny_bundle), "--max-running", "8", "--max-batch-tokens", "64",
                         "--threads", "1"]) as srv:
         items = workload.mixed(12, vocab=97, context=128, seed=0)
         records = asyncio.run(HttpLoad(srv.http_url, model="tiny").drive(workload.batches(items, 6)))

@@ -1,4 +1,4 @@
-"""Three replicas behind the balancers users run (`bench.replicas`): gRPC's client-side round robin with the
+"""Three replicas behind the balancers users run (`bench.replicas`, `bench.fleet`, `bench.nginx`): gRPC's client-side round robin with the
 shipped channel options, and nginx with deploy/nginx/attnserve.conf.template for gRPC and for the HTTP API.
 Calls are balanced per request; a rolling update loses no request; a replica that dies fails only the streams
 it was sending, with UNAVAILABLE, and every request sent after it died completes on the others."""
@@ -15,17 +15,9 @@ import pytest
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
-from bench.replicas import (
-    PATHS,
-    Fleet,
-    Nginx,
-    kill_under_load,
-    load_on,
-    method_of,
-    nginx_binary,
-    render_template,
-    roll_under_load,
-)
+from bench.fleet import Fleet
+from bench.nginx import Nginx, nginx_binary, render_template
+from bench.replicas import PATHS, kill_under_load, load_on, method_of, roll_under_load
 from service.client.grpc_client import SERVICE_NAME, Client
 from tests.conftest import SHIPPED_BUNDLE
 
@@ -94,9 +86,8 @@ def test_health_is_not_serving_from_the_start_of_the_drain(fleet):
         assert replica.health() != "SERVING"
         tokens += sum(len(msg.token_ids) for msg in stream)
     assert tokens == 240
-    assert replica.proc.wait(timeout=60) == 0
+    assert replica.wait(60) == 0
     replica.start()
-    replica.wait_serving()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -126,7 +117,6 @@ def test_a_killed_replica_fails_only_its_own_requests(fleet, nginx, path, errors
         killed_at = asyncio.run(kill_under_load(load, victim))
     finally:
         victim.start()
-        victim.wait_serving()
     failed = [o for o in load.outcomes if o.code != "OK"]
     print(json.dumps({"path": path, **load.summary().to_dict()}))
     assert failed, "no request was on the killed replica"

@@ -4,7 +4,9 @@
         Client(srv.address).generate("...")
 
 `engine=` passes an `AsyncEngine` built by the test (for instance with a `Gate` on its runner);
-otherwise the server builds its own from the settings, as `attnserve serve` does.
+otherwise the server builds its own from the settings, as `attnserve serve` does. A test that needs the
+server in a process of its own (signals, exit codes, a probe that must not share its interpreter) uses
+`service.client.server_process.ServerProcess`.
 """
 
 from __future__ import annotations
@@ -12,25 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from service.client.server_process import free_port  # noqa: F401 - the tests take it from here with the rest
 from service.engine.async_engine import AsyncEngine
 from service.engine.core import Engine
 from service.server import Server
 from service.settings import ServerSettings
 
 STARTUP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A localhost port nothing listens on now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def settings(bundle: Path, **overrides) -> ServerSettings:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 import threading
@@ -25,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service.client import build_request
+from service.client.server_process import ServerProcess
 from tests.fronts.server_harness import ServerThread, free_port, settings, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 RESPONSIVE_S = 1.0  # what a normal call, or /health, may take while a probe runs
 CAP = 24
 LIMITS = {"max_connections": CAP, "header_timeout_s": 2, "body_timeout_s": 2, "idle_timeout_s": 2,
@@ -51,66 +50,31 @@ SERVER = textwrap.dedent("""
 """)
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    address: str
-    url: str
-    metrics_url: str
-    host: str = "127.0.0.1"
-    http_port: int = 0
-    grpc_port: int = 0
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx2.get(self.metrics_url, timeout=10).text
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in text.splitlines():
-            if line.startswith(want + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+class Served(ServerProcess):
+    """The server under probe, and what it holds, read from /proc."""
 
     def handles(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmRSS")
 
-    def health(self) -> int:
-        return httpx2.get(self.url + "/health", timeout=RESPONSIVE_S).status_code
+    def http_health(self) -> int:
+        return httpx2.get(self.http_url + "/health", timeout=RESPONSIVE_S).status_code
 
 
 @pytest.fixture(scope="module")
-def served(engine_bundle):
-    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    args = ["--bundle", str(engine_bundle), "--graph", "static", "--port", str(grpc_port), "--http-port",
-            str(http_port), "--metrics-port", str(metrics_port)]
+def served(engine_bundle, tmp_path_factory):
+    args = ["--bundle", str(engine_bundle), "--graph", "static"]
     for name, value in LIMITS.items():
         args += ["--" + name.replace("_", "-"), str(value)]
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    s = Served(proc, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}",
-               f"http://127.0.0.1:{metrics_port}/metrics", http_port=http_port, grpc_port=grpc_port)
-
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            return s.health() == 200
-        except httpx2.HTTPError:
-            return False
-    try:
-        wait_until(up, timeout=90, what="the server to serve")
-        yield s
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log = proc.stderr.read()
-        assert "Traceback" not in log, log[-4000:]
+    server = Served(args, command=[sys.executable, "-c", SERVER], log_dir=tmp_path_factory.mktemp("served"))
+    with server:
+        yield server
+    assert "Traceback" not in server.log(), server.log()[-4000:]
 
 
 @pytest.fixture
@@ -154,13 +118,13 @@ class Watcher:
         channel.close()
 
     def _health(self) -> None:
-        assert self.served.health() == 200
+        assert self.served.http_health() == 200
 
     def _generate(self, stub) -> None:
         if self.front == "grpc":
             stub.Generate(build_request("Rom.", max_new_tokens=2), timeout=RESPONSIVE_S)
         else:
-            r = httpx2.post(self.served.url + "/v1/completions", json={"prompt": "Rom.", "max_tokens": 2},
+            r = httpx2.post(self.served.http_url + "/v1/completions", json={"prompt": "Rom.", "max_tokens": 2},
                             timeout=RESPONSIVE_S)
             assert r.status_code == 200, r.text
 
@@ -213,7 +177,7 @@ def read_response(sock: socket.socket, timeout: float = 30) -> tuple[int, dict]:
 
 def post(served: Served, body, path: str = "/v1/completions", **kwargs) -> httpx2.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx2.post(served.url + path, content=content, headers={"content-type": "application/json"},
+    return httpx2.post(served.http_url + path, content=content, headers={"content-type": "application/json"},
                        timeout=60, **kwargs)
 
 
@@ -320,7 +284,7 @@ def test_idle_grpc_connections_up_to_the_cap_are_refused_beyond_and_closed_in_ti
     health = health_pb2_grpc.HealthStub(early)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
     handles = served.handles()
-    held = [connect(served.grpc_port) for _ in range(CAP - 1)]
+    held = [connect(served.port) for _ in range(CAP - 1)]
     try:
         wait_until(lambda: served.handles() >= handles + CAP - 1, timeout=10, what="the server to accept them")
         # within header_timeout_s: a new connection is refused at once, the early client keeps its answers

@@ -4,7 +4,6 @@ The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service.client import Client, build_request
+from service.client.server_process import ServerProcess
 from tests.engine.harness import Gate
 from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until
 
@@ -138,36 +138,21 @@ SLOW_SERVER = textwrap.dedent("""
 """)
 
 
-def start_process(bundle: Path, port: int, *extra: str, decode_s: float = 0.05) -> subprocess.Popen:
+def slow_server(bundle: Path, logs: Path, *extra: str, decode_s: float = 0.05) -> ServerProcess:
     """`attnserve serve` in its own process, each decode step `decode_s` slower. It serves the graph `static`:
     with `auto` on a bundle with INT8 graphs, start-up would time and self-check them with the slowed decode too."""
-    return subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "--bundle", str(bundle), "--graph", "static",
-                             "--port", str(port), "--http-port", "0", "--metrics-port", "0", "--max-running", "4", "--max-batch-tokens",
-                             "64", "--threads", "1", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "SLOW_DECODE_S": str(decode_s)})
-
-
-def wait_serving(proc: subprocess.Popen, address: str, timeout: float = 60) -> None:
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[1]
-        try:
-            return health(address) == SERVING
-        except grpc.RpcError:
-            return False
-    wait_until(up, timeout=timeout, what="the server to report SERVING")
+    return ServerProcess(["--bundle", str(bundle), "--graph", "static", "--max-running", "4", "--max-batch-tokens", "64",
+                          "--threads", "1", *extra], command=[sys.executable, "-c", SLOW_SERVER],
+                         env={"SLOW_DECODE_S": str(decode_s)}, log_dir=logs)
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bundle):
+def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bundle, tmp_path):
     """A gRPC stream and an HTTP stream in flight when SIGTERM arrives: both finish whole, while new calls
     get UNAVAILABLE and 503, gRPC health is NOT_SERVING or closed and HTTP /health 503; then the process exits 0."""
-    port, http_port = free_port(), free_port()
-    address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
-    proc = start_process(engine_bundle, port, "--http-port", str(http_port))
-    try:
-        wait_serving(proc, address)
-        with Client(address, timeout_s=60) as c, httpx2.Client(base_url=url, timeout=60) as h:
+    with slow_server(engine_bundle, tmp_path) as srv:
+        address = srv.address
+        with Client(address, timeout_s=60) as c, httpx2.Client(base_url=srv.http_url, timeout=60) as h:
             call = c.stub.GenerateStream(build_request("Rom.", max_new_tokens=100, ignore_eos=True), timeout=60)
             first = next(call)
             body = {"prompt": "Ham.", "max_tokens": 100, "ignore_eos": True, "stream": True,
@@ -175,7 +160,7 @@ def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bun
             with h.stream("POST", "/v1/completions", json=body) as sse:
                 events = sse.iter_lines()
                 next(events)
-                proc.send_signal(signal.SIGTERM)
+                srv.proc.send_signal(signal.SIGTERM)
                 wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), what="health to flip")
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("Ham.", max_new_tokens=2)
@@ -187,29 +172,23 @@ def test_sigterm_drains_in_flight_streams_on_both_fronts_then_exits_0(engine_bun
         assert sum(len(m.token_ids) for m in [first, *rest]) == 100
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 100
         assert http_rest[-1] == "data: [DONE]" and json.loads(http_rest[-2][6:])["usage"]["completion_tokens"] == 100
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-        assert "draining" in err and "stopped" in err
-    finally:
-        proc.kill()
+        assert srv.wait(30) == 0, srv.log()
+        assert "draining" in srv.log() and "stopped" in srv.log()
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
+def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle, tmp_path):
     """8 streams in flight (4 running, 4 queued) when SIGTERM arrives: all 8 finish whole, new calls
     get UNAVAILABLE, health is NOT_SERVING or closed, and the process exits 0 within the grace period."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    proc = start_process(engine_bundle, port, "--grace-period-s", "20")
-    try:
-        wait_serving(proc, address)
+    with slow_server(engine_bundle, tmp_path, "--grace-period-s", "20") as srv:
+        address = srv.address
         with Client(address, timeout_s=60) as c:
             calls = [c.stub.GenerateStream(build_request(f"Rom. {i}", max_new_tokens=40, ignore_eos=True), timeout=60)
                      for i in range(8)]
             # whichever four arrived first run; the others queue (the arrival order is the server's)
             wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 4))(c.server_info()),
                        what="four requests to run and four to queue")
-            proc.send_signal(signal.SIGTERM)
+            srv.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), what="health to flip")
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("Ham.", max_new_tokens=2)
@@ -217,26 +196,20 @@ def test_sigterm_under_load_completes_every_accepted_stream(engine_bundle):
             results = [list(call) for call in calls]
         for msgs in results:
             assert sum(len(m.token_ids) for m in msgs) == 40 and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-    finally:
-        proc.kill()
+        assert srv.wait(30) == 0, srv.log()
 
 
 @pytest.mark.slow
-def test_a_second_signal_ends_the_drain_at_once_with_the_drains_error(engine_bundle):
+def test_a_second_signal_ends_the_drain_at_once_with_the_drains_error(engine_bundle, tmp_path):
     """SIGINT starts a drain with 600 s of grace; SIGINT again ends every request in flight at once, running or
     queued, on both fronts, with the error the end of the grace period gives (gRPC UNAVAILABLE; an HTTP error
     event, then [DONE]), says so in the log, and the process exits 0 long before the grace period is over.
     The gRPC calls go over a channel without retries, so that a queued call's ending is its own."""
-    port, http_port = free_port(), free_port()
-    address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     # 0.2 s a decode step: a 100-token stream runs for 20 s at least, so none finishes before the second signal
     # (and the start-up self-check, slowed too, takes about as long)
-    proc = start_process(engine_bundle, port, "--http-port", str(http_port), "--grace-period-s", "600", decode_s=0.2)
-    try:
-        wait_serving(proc, address, timeout=180)
-        with grpc.insecure_channel(address) as channel, httpx2.Client(base_url=url, timeout=120) as h:
+    with slow_server(engine_bundle, tmp_path, "--grace-period-s", "600", decode_s=0.2) as srv:
+        address = srv.address
+        with grpc.insecure_channel(address) as channel, httpx2.Client(base_url=srv.http_url, timeout=120) as h:
             stub = pb_grpc.TextGenerationStub(channel)
             body = {"prompt": "Ham.", "max_tokens": 100, "ignore_eos": True, "stream": True}
             with h.stream("POST", "/v1/completions", json=body) as sse:
@@ -250,41 +223,33 @@ def test_a_second_signal_ends_the_drain_at_once_with_the_drains_error(engine_bun
                                               timeout=120) for i in range(2)]
                 wait_until(lambda: (lambda i: (i.requests_running, i.requests_waiting) == (4, 2))(
                     stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)), what="four to run and two to queue")
-                proc.send_signal(signal.SIGINT)
+                srv.proc.send_signal(signal.SIGINT)
                 wait_until(lambda: reachable_health(address) in (NOT_SERVING, None), timeout=60,
                            what="the drain to start")
-                proc.send_signal(signal.SIGINT)
+                srv.proc.send_signal(signal.SIGINT)
                 http_rest = [line for line in events if line]
             endings = []
             for call in running + queued:
                 with pytest.raises(grpc.RpcError) as e:
                     list(call)
                 endings.append((e.value.code(), e.value.details()))
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+        returncode, err = srv.wait(60), srv.log()
     cut = "the server stopped before the request finished (a second SIGTERM or SIGINT cut its drain short)"
     assert endings == [(grpc.StatusCode.UNAVAILABLE, cut)] * 5
     assert http_rest[-1] == "data: [DONE]"
     error = json.loads(http_rest[-2][6:])["error"]
     assert (error["type"], error["message"]) == ("service_unavailable", cut)
-    assert proc.returncode == 0, err
+    assert returncode == 0, err
     assert err.count("SIGINT received") == 1 and "second signal: stopping now, 6 request(s) cut off" in err
     assert "grace period over" not in err and "stopped" in err
 
 
 @pytest.mark.slow
-def test_sigint_on_an_idle_server_exits_0(engine_bundle):
-    port = free_port()
-    proc = start_process(engine_bundle, port, "--log-format", "json")
-    try:
-        wait_serving(proc, f"127.0.0.1:{port}")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-        assert err.startswith("{") and '"message": "stopped"' in err
-    finally:
-        proc.kill()
+def test_sigint_on_an_idle_server_exits_0(engine_bundle, tmp_path):
+    with slow_server(engine_bundle, tmp_path, "--log-format", "json") as srv:
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait(30) == 0, srv.log()
+        assert srv.log().startswith("{") and '"message": "stopped"' in srv.log()
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

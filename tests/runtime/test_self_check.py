@@ -10,16 +10,8 @@ import pytest
 
 from service.runtime.bundle import BundleError, read_manifest, write_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import (
-    INVARIANCE_ROWS,
-    MIN_AGREEMENT,
-    PROBE_ROWS,
-    PROBE_TOKENS,
-    agreement,
-    batch_invariance,
-    check,
-    probe_sequences,
-)
+from service.runtime.probes import INVARIANCE_ROWS, PROBE_ROWS, PROBE_TOKENS
+from service.runtime.self_check import MIN_AGREEMENT, agreement, batch_invariance, check, probe_sequences
 from service.runtime.static_runner import StaticRunner
 
 
