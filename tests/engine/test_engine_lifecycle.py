@@ -203,7 +203,7 @@ def test_model_fault_fails_that_step_only(make_engine):
         run.collect(engine.step())
     assert in_step == {"a", "b"} and waiting == ["c", "d"]
     assert {rid: type(e) for rid, e in run.errors.items()} == {"a": ModelError, "b": ModelError}
-    assert "injected fault" in str(run.errors["a"])
+    assert "injected fault" in run.errors["a"].detail
     assert engine.kv.used == 0 and engine.kv.reserved == 0  # freed in the failing step
     assert [s.id for s in engine.scheduler.waiting] == ["c", "d"]
     engine.generate(on_outputs=run.collect)
@@ -260,7 +260,7 @@ def test_a_prompt_whose_prefill_raises_fails_alone_while_eight_streams_decode(ma
     poisoned_prefill(engine)
     run = drive(engine, streams, arrivals={3: [bad, neighbour]})
     assert {rid: type(e) for rid, e in run.errors.items()} == {"bad": ModelError}
-    assert "injected prefill fault" in str(run.errors["bad"]) and not run.events[("bad", 0)]
+    assert "injected prefill fault" in run.errors["bad"].detail and not run.events[("bad", 0)]
     for r in streams + [neighbour]:
         alone = run_alone(make_engine, r, max_running=10, max_batch_tokens=128)
         assert run.tokens(r.request_id) == alone.tokens(r.request_id), r.request_id
