@@ -9,8 +9,7 @@ from typing import Any
 
 from service.engine.beam_search import BeamSearch
 from service.engine.detokenizer import TextStream
-from service.engine.prompt_logprobs import FIRST, PromptLogprob
-from service.engine.request import FinishReason, GenerationRequest
+from service.engine.request import FIRST_PROMPT_LOGPROB, FinishReason, GenerationRequest, PromptLogprob
 from service.engine.sampler import SamplingState
 from service.engine.speculative import Speculation
 
@@ -76,7 +75,7 @@ class RequestState:
 
     def __post_init__(self):
         if self.request.prompt_logprobs is not None:
-            self.prompt_logprobs = [FIRST]
+            self.prompt_logprobs = [FIRST_PROMPT_LOGPROB]
 
     @property
     def id(self) -> str:
