@@ -221,16 +221,6 @@ def _kept_weights(e: np.ndarray, z: np.ndarray, filters: Filters) -> np.ndarray:
     return np.where(e >= cutoff[:, None], e, 0.0)
 
 
-def filtered_weights(scaled: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Unnormalised probabilities [R, vocab] that rows sharing `params` are drawn from, given their logits
-    after temperature (`scaled`): top-k, top-p and min-p applied over the whole vocabulary."""
-    e = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    if not params.filtered:
-        return e
-    z = e.sum(axis=1, dtype=np.float64)[:, None].astype(np.float32)
-    return _kept_weights(e, z, Filters.of([params] * len(e)))
-
-
 def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.ndarray:
     """The drawn rows (`batch.sampled`): temperature, then top-k/top-p/min-p where asked, then one draw each."""
     scaled = logits / batch.temperature[:, None]

@@ -46,11 +46,6 @@ class PrefillWork:
     start: int  # position the chunk starts at (0 unless a long prompt is continued)
 
     @property
-    def chunked(self) -> bool:
-        """One prompt written in pieces (not in one go)."""
-        return len(self.seqs) == 1 and (self.start > 0 or len(self.chunks[0]) < self.seqs[0].prompt_len)
-
-    @property
     def tokens(self) -> int:
         """What the call costs of the step's budget: the prompts padded to the longest."""
         return len(self.seqs) * max(len(c) for c in self.chunks)
