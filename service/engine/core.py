@@ -41,7 +41,7 @@ from service.engine.kv_cache import KVCache
 from service.engine.output import Output, OutputStep
 from service.engine.prompt_logprobs import record as record_prompt_logprobs
 from service.engine.request import EngineLimits, Generated, GenerationRequest, TokenEvent
-from service.engine.sampler import SamplingBatch, SamplingState, sample
+from service.engine.sampler import SamplingBatch, SequenceSampling, sample
 from service.engine.scheduler import PrefillWork, Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
 from service.engine.speculative_step import SpeculationStats, SpeculativeStep
@@ -160,7 +160,7 @@ class Engine:
         state = RequestState(request, seed)
         # penalties count the tokens the model has generated from: the prompt, or an encoder-decoder's target
         history = [self.model.decoder_start_token_id] if self.encoder_decoder else request.prompt_token_ids
-        first = SamplingState.create(request.sampling, history, self.model.vocab_size, seed,
+        first = SequenceSampling.create(request.sampling, history, self.model.vocab_size, seed,
                                      want_logprobs=request.logprobs, top_logprobs=request.top_logprobs,
                                      suppress=self._suppressed_until_min_tokens(request),
                                      min_tokens=request.stopping.min_new_tokens)

@@ -10,7 +10,7 @@ from typing import Any
 from service.engine.beam_search import BeamSearch
 from service.engine.detokenizer import TextStream
 from service.engine.request import FIRST_PROMPT_LOGPROB, FinishReason, GenerationRequest, PromptLogprob
-from service.engine.sampler import SamplingState
+from service.engine.sampler import SequenceSampling
 from service.engine.speculative import Speculation
 
 
@@ -35,7 +35,7 @@ class Timing:
 class Sequence:
     request_state: RequestState  # the request this sequence is one of the n samples of
     index: int  # position among the request's n sequences
-    sampling: SamplingState
+    sampling: SequenceSampling
     text: TextStream
     slot: int | None = None  # KV slot while it has one
     status: Status = Status.WAITING

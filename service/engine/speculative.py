@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.sampler import SamplingBatch, SamplingState, apply_penalties, sample_rows
+from service.engine.sampler import SamplingBatch, SequenceSampling, apply_penalties, sample_rows
 
 MAX_NGRAM = 3  # the longest suffix looked up in the history
 MIN_NGRAM = 1
@@ -101,7 +101,7 @@ class Verdict:
     kept: int  # drafts kept
 
 
-def accept(logits: np.ndarray, drafts: list[int], state: SamplingState, allowed: np.ndarray | None = None
+def accept(logits: np.ndarray, drafts: list[int], state: SequenceSampling, allowed: np.ndarray | None = None
            ) -> Verdict:
     """The tokens the target keeps of `drafts` (certain drafts, as prompt lookup's): `logits` [k + 1, vocab] are
     the target's at the row's k + 1 fed positions (not modified); `allowed` [k + 1, vocab] the grammar masks
@@ -117,7 +117,7 @@ def accept(logits: np.ndarray, drafts: list[int], state: SamplingState, allowed:
     return _match(adjusted, drafts, state)
 
 
-def _match(adjusted: np.ndarray, drafts: list[int], state: SamplingState) -> Verdict:
+def _match(adjusted: np.ndarray, drafts: list[int], state: SequenceSampling) -> Verdict:
     """Certain drafts, sampled: at each position the target draws its own token as the sampler would,
     with the sequence's next uniform, and a draft is kept while it is that token. A draft d is so kept
     with probability p(d), and otherwise the token follows p without d: the rule above for q(d) = 1. One
@@ -131,7 +131,7 @@ def _match(adjusted: np.ndarray, drafts: list[int], state: SamplingState) -> Ver
     raise AssertionError("unreachable")
 
 
-def target_logits(logits: np.ndarray, drafts: list[int], state: SamplingState,
+def target_logits(logits: np.ndarray, drafts: list[int], state: SequenceSampling,
                   allowed: np.ndarray | None) -> np.ndarray:
     """Each position's logits as the sampler would adjust them, the drafts before it counted as generated:
     the grammar mask, then penalties and suppression (the same operations `sample` applies, row by row)."""

@@ -12,7 +12,7 @@ import pytest
 
 from service.engine.async_engine import AsyncEngine
 from service.engine.request import Constraint, GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.sampler import SamplingState
+from service.engine.sampler import SequenceSampling
 from service.engine.speculative import NgramIndex, Speculation, accept, expected_tokens
 from service.engine.speculative_step import SpeculationStats
 from tests.engine.harness import drive, eager_speculation, greedy, random_prompt, sampled
@@ -45,8 +45,8 @@ def test_expected_tokens_counts_the_drafts_kept_in_a_row_and_one_more():
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
 
 
-def _state(temperature: float = 1.0, seed: int = 0, vocab: int = 8, **params) -> SamplingState:
-    return SamplingState.create(SamplingParams(temperature=temperature, **params), [1], vocab, seed)
+def _state(temperature: float = 1.0, seed: int = 0, vocab: int = 8, **params) -> SequenceSampling:
+    return SequenceSampling.create(SamplingParams(temperature=temperature, **params), [1], vocab, seed)
 
 
 def test_greedy_keeps_drafts_while_they_are_the_argmax_then_adds_the_targets_token():
