@@ -68,10 +68,6 @@ class RequestState:
     prompt_logprobs: list[PromptLogprob] | None = None
     done: bool = False
     beam: BeamSearch | None = None  # a beam search request's running beams and finished hypotheses
-    # a consumer that reads the request's events only once it has ended (a unary call) has them handed over
-    # then, all at once; until then they wait here (`AsyncEngine._deliver`)
-    whole: bool = False
-    held: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.request.prompt_logprobs is not None:
