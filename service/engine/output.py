@@ -1,32 +1,87 @@
-"""The output step: each sampled token appended to its sequence, checked against the stop conditions,
-emitted as a `TokenEvent`, and the sequence fed to the next decode or finished (its slot freed; the
-request ends with its last sequence). A sequence's last event carries its speculative decoding counts.
+"""The output step: what the sample phase chose, applied. Each token is appended to its sequence, checked
+against the stop conditions, emitted as a `TokenEvent`, and the sequence fed to the next decode or finished
+(its slot freed; the request ends with its last sequence); a beam search's next beams are taken (`BeamStep`).
+A sequence's last event carries its speculative decoding counts.
 
-    step = OutputStep(scheduler, eos_ids, end)          # end(request_state, error) ends a request
-    outputs = step.update(seq, token, logprob, top, now)
+    step = OutputStep(scheduler, eos_ids, end, beams, counters)   # end(request_state, error) ends a request
+    outputs = step.apply(sampled)
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
+from service.engine.beam_step import BeamStep
+from service.engine.counters import EngineCounters
 from service.engine.errors import EngineError, ModelError
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
+from service.engine.step_data import BeamChoice, Output, Sampled
 
 log = logging.getLogger(__name__)
-
-Output = tuple[RequestState, "TokenEvent | EngineError"]  # what a step gives a request: a token, or its end
 
 
 class OutputStep:
     def __init__(self, scheduler: Scheduler, eos_ids: frozenset[int],
-                 end: Callable[[RequestState, EngineError | None], list[Output]]):
+                 end: Callable[[RequestState, EngineError | None], list[Output]], beams: BeamStep,
+                 counters: EngineCounters):
         self.scheduler = scheduler
         self.eos_ids = eos_ids  # every id that ends generation (Llama 3 has several)
         self.end = end
+        self.beams = beams  # applies a beam search's next beams
+        self.counters = counters  # tokens emitted, drafts checked and accepted
+
+    def apply(self, sampled: Sampled) -> list[Output]:
+        """Apply one model call's choices; returns the outputs, the call's failed requests' first. A row that
+        verified drafts first has its slot's length advanced past the drafts kept (before any slot moves), then
+        the requests whose sampling failed end, then each beam search and each row takes its tokens in order."""
+        now = time.monotonic()
+        out = list(sampled.failed)
+        for row, (drafts, kept) in sampled.drafted.items():
+            seq = sampled.seqs[row]
+            self.scheduler.kept_drafts(seq, kept)
+            seq.speculation.proposed += drafts  # before its tokens: its last event reports it
+            self.counters.drafts += 1
+            self.counters.draft_tokens += drafts
+        for state, error in sampled.faults:
+            if not state.done:
+                out += self.end(state, error)
+        emitted = 0
+        for choice in sampled.beams:
+            events = self._beam(choice, now)
+            emitted += len(events)
+            out += events
+        for row, (seq, tokens, logprobs, tops) in enumerate(zip(sampled.seqs, sampled.tokens, sampled.logprobs,
+                                                                 sampled.tops, strict=True)):
+            if len(tokens) == 1:
+                out += self.update(seq, tokens[0], logprobs[0], tops[0], now)
+                emitted += 1
+                continue
+            kept = sampled.drafted[row][1]
+            for j, token in enumerate(tokens):
+                if seq.status is Status.FINISHED or seq.request_state.done:
+                    break  # a stop before the rest drops it
+                if j < kept:  # counted before its event, which may be the sequence's last and report it
+                    seq.speculation.accepted += 1
+                    self.counters.accepted_tokens += 1
+                out += self.update(seq, token, logprobs[j], tops[j], now)
+                emitted += 1
+        self.counters.count_tokens(emitted, now)
+        return out
+
+    def _beam(self, choice: BeamChoice, now: float) -> list[Output]:
+        """A beam search's next beams taken (or its hypotheses emitted); a failure here is the request's alone."""
+        if choice.state.done:
+            return []
+        try:
+            return self.beams.apply(choice, now)
+        except Exception as e:  # a bug in one request's beams: never the step's, nor another request's
+            log.error("request %s: taking the next beams failed", choice.state.id, exc_info=e)
+            return self.end(choice.state, ModelError("the server failed producing this request's output",
+                                                     detail=f"{type(e).__name__}: {e}"))
 
     def update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence. A

@@ -238,9 +238,10 @@ def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.n
 
 
 def sample(logits: np.ndarray, batch: SamplingBatch | list[SequenceSampling], top_n: int = 0,
-           masks: tuple[np.ndarray, np.ndarray] | None = None) -> SampleOutput:
+           masks: tuple[np.ndarray, np.ndarray] | None = None, u: np.ndarray | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [B, vocab] (not modified). `masks` = (rows, allowed [R, vocab]
-    bool): those rows may choose only allowed tokens. Logprobs are computed only for the rows that asked
+    bool): those rows may choose only allowed tokens. `u`: the drawn rows' uniforms (`batch.sampled` order),
+    drawn from each row's generator when not given. Logprobs are computed only for the rows that asked
     for them; the others get NaN."""
     if not isinstance(batch, SamplingBatch):
         batch = SamplingBatch(batch)
@@ -264,7 +265,8 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SequenceSampling], to
         tokens = np.empty(len(batch), dtype=np.int64)
         if batch.sampled.size < len(batch):
             tokens[batch.greedy] = adjusted[batch.greedy].argmax(axis=1)
-        u = np.array([states[i].rng.random() for i in batch.sampled])
+        if u is None:
+            u = np.array([states[i].rng.random() for i in batch.sampled])
         tokens[batch.sampled] = sample_rows(adjusted[batch.sampled], batch, u)
     return with_logprobs(logits, tokens, batch.logprob_rows, max(top_n, batch.top_n))
 

@@ -21,7 +21,7 @@ wrote (prompt and output) when it finishes, so a later chat turn finds the earli
 
 The scheduler is the one owner of the KV cache's bookkeeping: which sequence holds which slot,
 how many positions each slot has written, and the token each decode row feeds next. The engine
-reports what ran (`prefilled`, `decoded`, `feed`, `free`, `drop`); the runner only reads.
+reports what ran (`prefilled`, `decoded`, `kept_drafts`, `feed`, `free`, `drop`); the runner only reads.
 """
 
 from __future__ import annotations
@@ -177,12 +177,10 @@ class Scheduler:
         """Slots [0, n) have each written one more position."""
         self.kv.lengths[:n] += 1
 
-    def verified(self, n: int, kept: dict[int, int]) -> None:
-        """Slots [0, n) have each written their fed token, and slot i its `kept[i]` drafts after it (what
-        a verification wrote past them is overwritten next)."""
-        self.kv.lengths[:n] += 1
-        for i, k in kept.items():
-            self.kv.lengths[i] += k
+    def kept_drafts(self, seq: Sequence, kept: int) -> None:
+        """`seq`'s slot, which verified drafts after its fed token, keeps the first `kept` of them (what the
+        verification wrote past them is overwritten next)."""
+        self.kv.lengths[seq.slot] += kept
 
     def feed(self, seq: Sequence, token: int) -> None:
         """`token` is what `seq` feeds at its next decode."""

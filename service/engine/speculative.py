@@ -43,14 +43,10 @@ class Speculation:
     """One sequence's speculative decoding: its estimate of the share of its drafts the target keeps, its
     prompt lookup, and its counts (its last event reports them). Made at the sequence's first speculative step."""
 
-    acceptance: float
-    index: NgramIndex
-    proposed: int = 0  # draft tokens the target checked
-    accepted: int = 0  # of those, the ones it kept and the sequence emitted (the output step counts them)
-
-    def record(self, proposed: int, kept: int) -> None:
-        self.acceptance = averaged(self.acceptance, kept / proposed)
-        self.proposed += proposed
+    acceptance: float  # the share of its drafts the target keeps, averaged over its steps (the policy's)
+    index: NgramIndex  # its prompt lookup
+    proposed: int = 0  # draft tokens the target checked (the output step counts them)
+    accepted: int = 0  # of those, the ones it kept and the sequence emitted (likewise)
 
 
 def averaged(estimate: float, share: float) -> float:
