@@ -19,7 +19,7 @@ from service.engine.errors import EngineError, ModelError
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
-from service.engine.step_data import BeamChoice, Output, Sampled
+from service.engine.step_data import BeamChoice, Drafted, Output, Sampled
 
 log = logging.getLogger(__name__)
 
@@ -35,42 +35,43 @@ class OutputStep:
         self.counters = counters  # tokens emitted, drafts checked and accepted
 
     def apply(self, sampled: Sampled) -> list[Output]:
-        """Apply one model call's choices; returns the outputs, the call's failed requests' first. A row that
-        verified drafts first has its slot's length advanced past the drafts kept (before any slot moves), then
-        the requests whose sampling failed end, then each beam search and each row takes its tokens in order."""
+        """Apply one model call's choices; returns the outputs, the call's failed requests' first. The rows that
+        verified drafts have their slots' lengths advanced past the drafts kept first (before any slot moves),
+        then the requests whose sampling failed end, then each beam search and each row takes its tokens."""
         now = time.monotonic()
         out = list(sampled.failed)
-        for row, (drafts, kept) in sampled.drafted.items():
-            seq = sampled.seqs[row]
-            self.scheduler.kept_drafts(seq, kept)
-            seq.speculation.proposed += drafts  # before its tokens: its last event reports it
+        for row in sampled.drafted:
+            self.scheduler.kept_drafts(row.seq, row.kept)
+            row.seq.speculation.proposed += row.drafts  # before its tokens: its last event reports it
             self.counters.drafts += 1
-            self.counters.draft_tokens += drafts
+            self.counters.draft_tokens += row.drafts
         for state, error in sampled.faults:
             if not state.done:
                 out += self.end(state, error)
-        emitted = 0
+        emitted = len(sampled.tokens)
         for choice in sampled.beams:
             events = self._beam(choice, now)
             emitted += len(events)
             out += events
-        for row, (seq, tokens, logprobs, tops) in enumerate(zip(sampled.seqs, sampled.tokens, sampled.logprobs,
-                                                                 sampled.tops, strict=True)):
-            if len(tokens) == 1:
-                out += self.update(seq, tokens[0], logprobs[0], tops[0], now)
-                emitted += 1
-                continue
-            kept = sampled.drafted[row][1]
-            for j, token in enumerate(tokens):
-                if seq.status is Status.FINISHED or seq.request_state.done:
-                    break  # a stop before the rest drops it
-                if j < kept:  # counted before its event, which may be the sequence's last and report it
-                    seq.speculation.accepted += 1
-                    self.counters.accepted_tokens += 1
-                out += self.update(seq, token, logprobs[j], tops[j], now)
-                emitted += 1
+        for seq, token, logprob, top in zip(sampled.seqs, sampled.tokens, sampled.logprobs, sampled.tops,
+                                            strict=True):
+            out += self.update(seq, token, logprob, top, now)
+        for row in sampled.drafted:
+            emitted += self._drafted(row, now, out)
         self.counters.count_tokens(emitted, now)
         return out
+
+    def _drafted(self, row: Drafted, now: float, out: list[Output]) -> int:
+        """A row's kept drafts and the target's token, in order, until one ends it; returns how many it took."""
+        seq = row.seq
+        for j, token in enumerate(row.tokens):
+            if seq.status is Status.FINISHED or seq.request_state.done:
+                return j  # a stop before the rest drops it
+            if j < row.kept:  # counted before its event, which may be the sequence's last and report it
+                seq.speculation.accepted += 1
+                self.counters.accepted_tokens += 1
+            out += self.update(seq, token, row.logprobs[j], row.tops[j], now)
+        return len(row.tokens)
 
     def _beam(self, choice: BeamChoice, now: float) -> list[Output]:
         """A beam search's next beams taken (or its hypotheses emitted); a failure here is the request's alone."""

@@ -31,7 +31,7 @@ from service.engine.grammar import Grammars, allowed
 from service.engine.sampler import SampleOutput, SamplingBatch, sample, with_logprobs
 from service.engine.sequence import RequestState, Sequence
 from service.engine.speculative import accept
-from service.engine.step_data import BeamChoice, RunnerOutput, Sampled, Verification
+from service.engine.step_data import BeamChoice, Drafted, RunnerOutput, Sampled, Verification
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +50,17 @@ class SampleStep:
         if not seqs:
             return sampled
         logits = self._only_sampleable(ran.logits) if ran.logits is not None else None
+        beam_rows = [i for i, seq in enumerate(seqs) if seq.request_state.beam is not None]
+        if not beam_rows and not ran.verified:  # every row sampled: the usual step
+            self._sample(seqs, logits, sampled)
+            return sampled
         beams: dict[RequestState, list[int]] = defaultdict(list)
-        plain = []
-        for i, seq in enumerate(seqs):
-            if seq.request_state.beam is not None:
-                beams[seq.request_state].append(i)
-            elif i not in ran.verified:
-                plain.append(i)
+        for i in beam_rows:
+            beams[seqs[i].request_state].append(i)
         for state, rows in beams.items():
             self._beam_step(state, [seqs[i] for i in rows], logits[rows], sampled)
-        if len(plain) == len(seqs):
-            self._sample(seqs, logits, sampled)
-        elif plain:
+        plain = [i for i in range(len(seqs)) if i not in ran.verified and seqs[i].request_state.beam is None]
+        if plain:
             self._sample([seqs[i] for i in plain], logits[plain], sampled)
         for i, verification in sorted(ran.verified.items()):
             self._accept(seqs[i], verification, sampled)
@@ -112,10 +111,16 @@ class SampleStep:
             for i, seq in enumerate(seqs):
                 self._sample_one(seq, logits[i:i + 1], drawn.get(i), sampled)
             return
-        logprobs = result.logprobs.tolist()  # Python numbers, once per call
-        for i, (seq, token) in enumerate(zip(seqs, result.tokens.tolist(), strict=True)):
-            logprob = None if logprobs[i] != logprobs[i] else logprobs[i]  # NaN: the request asked for none
-            self._add(sampled, seq, [token], [logprob], [result.top(i, seq.request.top_logprobs)])
+        self._take(result, seqs, sampled)
+
+    @staticmethod
+    def _take(result: SampleOutput, seqs: list[Sequence], sampled: Sampled) -> None:
+        """The sampler's tokens, logprobs and alternatives for `seqs`, as Python values."""
+        sampled.seqs += seqs
+        sampled.tokens += result.tokens.tolist()  # Python numbers, once per call
+        sampled.logprobs += [None if lp != lp else lp for lp in result.logprobs.tolist()]  # NaN: none asked for
+        sampled.tops += [None] * len(seqs) if result.top_ids is None else [
+            result.top(i, seq.request.top_logprobs) for i, seq in enumerate(seqs)]
 
     def _sample_one(self, seq: Sequence, logits: np.ndarray, u: float | None, sampled: Sampled) -> None:
         """One row alone (after a batch of them raised): its request fails if it raises again."""
@@ -127,16 +132,7 @@ class SampleStep:
         except Exception as e:
             self._fault(sampled, seq.request_state, e, "sampling")
             return
-        logprob = float(result.logprobs[0])
-        self._add(sampled, seq, [int(result.tokens[0])], [None if logprob != logprob else logprob],
-                  [result.top(0, seq.request.top_logprobs)])
-
-    @staticmethod
-    def _add(sampled: Sampled, seq: Sequence, tokens: list[int], logprobs: list[float | None], tops: list) -> None:
-        sampled.seqs.append(seq)
-        sampled.tokens.append(tokens)
-        sampled.logprobs.append(logprobs)
-        sampled.tops.append(tops)
+        self._take(result, [seq], sampled)
 
     def _masks_of(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, allowed tokens) of the constrained rows among `seqs`."""
@@ -167,8 +163,7 @@ class SampleStep:
             return
         logprobs = [None if lp != lp else lp for lp in scored.logprobs.tolist()]  # NaN: none asked for
         tops = [scored.top(j, seq.request.top_logprobs) for j in range(len(verdict.tokens))]
-        sampled.drafted[len(sampled.seqs)] = (len(drafts), verdict.kept)
-        self._add(sampled, seq, verdict.tokens, logprobs, tops)
+        sampled.drafted.append(Drafted(seq, verdict.tokens, logprobs, tops, len(drafts), verdict.kept))
 
     def _draft_masks(self, seq: Sequence, drafts: list[int]) -> np.ndarray | None:
         """The grammar's allowed tokens after each prefix of `drafts` [k + 1, vocab] (None: unconstrained)."""

@@ -149,11 +149,10 @@ class SpeculativeStep:
     def measured(self, plan: SpeculationPlan, sampled: Sampled) -> None:
         """The decode phase `plan` decided has been applied: the drafts kept update the acceptance estimates,
         and the phase's tokens per second (planning, calls, sampling and emitting) the measured rate of its kind."""
-        tokens = sum(len(t) for t in sampled.tokens)
-        for row, (drafts, kept) in sampled.drafted.items():
-            speculation = sampled.seqs[row].speculation
-            speculation.acceptance = averaged(speculation.acceptance, kept / drafts)
-            self.acceptance = averaged(self.acceptance, kept / drafts)
+        tokens = sampled.chosen
+        for row in sampled.drafted:
+            row.seq.speculation.acceptance = averaged(row.seq.speculation.acceptance, row.kept / row.drafts)
+            self.acceptance = averaged(self.acceptance, row.kept / row.drafts)
         self.counters.decode_calls += 1
         if plan.drafts:
             self.counters.speculating_tokens += tokens

@@ -68,16 +68,31 @@ class BeamChoice:
 
 
 @dataclass
+class Drafted:
+    """A row that checked drafts: the tokens it takes, in order."""
+
+    seq: Sequence
+    tokens: list[int]  # the drafts the target kept, then the target's own token
+    logprobs: list[float | None]  # per token, the model's logprob (None: the request asked for none)
+    tops: list[list[tuple[int, float]] | None]  # per token, the most likely alternatives (None: not asked for)
+    drafts: int  # drafts it checked
+    kept: int  # of those, the ones the target kept: tokens[:kept]
+
+
+@dataclass
 class Sampled:
     """What the sample phase chose for one model call's rows, for the output step to apply."""
 
-    seqs: list[Sequence] = field(default_factory=list)  # the rows that take tokens, in the call's order
-    # per row, its tokens in order: one, or the drafts the target kept followed by the target's own token
-    tokens: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float | None]] = field(default_factory=list)  # per row and token (None: not asked for)
-    # per row and token, the most likely alternatives as (id, logprob) (None: not asked for)
-    tops: list[list[list[tuple[int, float]] | None]] = field(default_factory=list)
-    drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (drafts it checked, of those kept)
+    seqs: list[Sequence] = field(default_factory=list)  # the rows that take one token each, in the call's order
+    tokens: list[int] = field(default_factory=list)  # per row, its token
+    logprobs: list[float | None] = field(default_factory=list)  # per row, its logprob (None: not asked for)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)  # per row, its alternatives
+    drafted: list[Drafted] = field(default_factory=list)  # the rows that checked drafts
     beams: list[BeamChoice] = field(default_factory=list)  # each beam search request's next beams
     faults: list[tuple[RequestState, ModelError]] = field(default_factory=list)  # requests whose sampling failed
     failed: list[Output] = field(default_factory=list)  # the model call's failed requests' outputs, passed on
+
+    @property
+    def chosen(self) -> int:
+        """Tokens chosen for the rows (a beam search's are emitted when it ends)."""
+        return len(self.tokens) + sum(len(d.tokens) for d in self.drafted)
