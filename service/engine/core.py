@@ -98,7 +98,8 @@ class Engine:
         # the step's phases after the scheduler: run, sample, update
         self.speculation = SpeculativeStep.of(config, self.runner, self.kv, self.context, self.max_running,
                                               self.counters)
-        self.run_step = RunStep(self.runner, self.scheduler, self.speculation, self.end, self.counters)
+        self.run_step = RunStep(self.runner, self.scheduler, self.speculation, self.end, self.counters,
+                                self.sampleable)
         self.sample_step = SampleStep(self.grammars, m.vocab_size, self.sampleable)
         beams = BeamStep(self.kv, self.scheduler, self.tokenizer, self.eos_ids, self.end)
         self.output = OutputStep(self.scheduler, self.eos_ids, self.end, beams, self.counters)
@@ -160,6 +161,7 @@ class Engine:
         return out
 
     def end(self, state: RequestState, error: EngineError | None) -> list[Output]:
+        """End a request now (every slot and reservation back); returns its error's output, if it has one."""
         self.scheduler.drop(state)
         state.done = True
         self.requests.pop(state.id, None)

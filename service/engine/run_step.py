@@ -1,6 +1,6 @@
 """The run phase of a step: the step's model calls, one at a time, and who fails if one raises.
 
-    run = RunStep(runner, scheduler, speculation, end, counters)
+    run = RunStep(runner, scheduler, speculation, end, counters, sampleable)
     for call in run.calls(batch):       # new prompts, the decode rows, a long prompt's next chunk
         ran = call.run()                 # a RunnerOutput: the rows to sample and their logits, the requests failed
 
@@ -45,7 +45,8 @@ class ModelCall(NamedTuple):
 
 class RunStep:
     def __init__(self, runner: StaticRunner, scheduler: Scheduler, speculation: SpeculativeStep | None,
-                 end: Callable[[RequestState, EngineError | None], list[Output]], counters: EngineCounters):
+                 end: Callable[[RequestState, EngineError | None], list[Output]], counters: EngineCounters,
+                 sampleable: int):
         self.runner = runner
         self.scheduler = scheduler  # reads the decode inputs, and is told what each call wrote
         self.kv = scheduler.kv
@@ -55,7 +56,7 @@ class RunStep:
         model = runner.manifest.model
         self.encoder_decoder = model.encoder_decoder  # its new sources may join the decode call
         self.decoder_start_token_id = model.decoder_start_token_id
-        self.sampleable = min(runner.tokenizer.vocab_size, model.vocab_size)  # ids a prompt's alternatives range over
+        self.sampleable = sampleable  # ids a prompt's logprobs range over (not a padded vocabulary's)
 
     def calls(self, batch: Batch) -> list[ModelCall]:
         """The step's model calls in the order they run: new prompts first (into the slots past the decode rows'),

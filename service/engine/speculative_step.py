@@ -103,7 +103,8 @@ class SpeculativeStep:
 
     def plan(self, decode: list[Sequence]) -> SpeculationPlan:
         """The drafts each decode row checks this step (rows with none are absent; none: a plain decode)."""
-        return SpeculationPlan(len(decode), self._drafts(decode), time.perf_counter())
+        started = time.perf_counter()  # the phase's time counts its planning
+        return SpeculationPlan(len(decode), self._drafts(decode), started)
 
     def _drafts(self, decode: list[Sequence]) -> dict[int, list[int]]:
         if not self.decode_seconds:
