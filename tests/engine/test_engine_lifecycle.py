@@ -1,4 +1,4 @@
-"""Requests that end early: aborted, expired, refused, or hit by a model fault.
+"""Requests that end early: aborted, expired, refused, or hit by a fault in a model call or in choosing their tokens.
 
 Each frees its KV slots in the step it ends, and the other requests' tokens are unchanged.
 """
