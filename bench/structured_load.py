@@ -174,18 +174,21 @@ class MaskClock:
 
 class StepClock:
     """Where the engine's time goes per generated token, constrained or not, timed in this process without
-    changing what the engine does: its model calls (`_run_prefill`, `_run_decode`), the constrained rows'
-    masks (`masks_of`: computed, and unpacked for the sampler), the sampler (`service.engine.core.sample`)
-    and the output step (`OutputStep.update`, where each matcher consumes its token). Sums over every run
-    inside it; restored on exit."""
+    changing what the engine does: its model calls (`RunStep.prefill`, `RunStep.decode`), the constrained rows'
+    masks (`SampleStep._masks_of`: computed, and unpacked for the sampler), the sampler
+    (`service.engine.sample_step.sample`) and the output step (`OutputStep.update`, where each matcher consumes
+    its token). Sums over every run inside it; restored on exit."""
 
-    PARTS = ("_run_prefill", "_run_decode", "masks_of", "sample", "update")
+    PARTS = ("run_prefill", "run_decode", "masks_of", "sample", "update")
 
     def __init__(self, engine):
         self.engine = engine
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
         self.wall = 0.0  # seconds inside runs timed with `run`
         self.tokens = 0
+        # part -> (the object whose method is timed, its name); the sampler is a module function
+        self._methods = {"run_prefill": (engine.run_step, "prefill"), "run_decode": (engine.run_step, "decode"),
+                         "masks_of": (engine.sample_step, "_masks_of"), "update": (engine.output, "update")}
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -197,21 +200,19 @@ class StepClock:
         return timed
 
     def __enter__(self) -> StepClock:
-        import service.engine.core as core
+        import service.engine.sample_step as sample_step
 
-        for name in self.PARTS[:3]:
-            setattr(self.engine, name, self._timed(name, getattr(self.engine, name)))
-        self.engine.output.update = self._timed("update", self.engine.output.update)
-        self._sample, core.sample = core.sample, self._timed("sample", core.sample)
+        for name, (owner, method) in self._methods.items():
+            setattr(owner, method, self._timed(name, getattr(owner, method)))
+        self._sample, sample_step.sample = sample_step.sample, self._timed("sample", sample_step.sample)
         return self
 
     def __exit__(self, *exc) -> None:
-        import service.engine.core as core
+        import service.engine.sample_step as sample_step
 
-        for name in self.PARTS[:3]:
-            delattr(self.engine, name)
-        del self.engine.output.update
-        core.sample = self._sample
+        for owner, method in self._methods.values():
+            delattr(owner, method)
+        sample_step.sample = self._sample
 
     def add(self, done: list[Completion], seconds: float) -> None:
         self.tokens += sum(c.tokens for c in done)
@@ -219,7 +220,7 @@ class StepClock:
 
     def summary(self) -> dict:
         """µs per generated token of each part, and of the rest of the run (the loop, scheduling, events)."""
-        per = {name.strip("_"): s / self.tokens * 1e6 for name, s in self.seconds.items()} if self.tokens else {}
+        per = {name: s / self.tokens * 1e6 for name, s in self.seconds.items()} if self.tokens else {}
         wall = self.wall / self.tokens * 1e6 if self.tokens else None
         return {"tokens": self.tokens, "wall_us_per_token": wall, "us_per_token": per,
                 "rest_us_per_token": wall - sum(per.values()) if self.tokens else None}

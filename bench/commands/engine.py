@@ -132,10 +132,10 @@ SAMPLER_WORKLOADS = {
 
 def sampler_share(bundle: Path, batches: list[int], steps: int, threads: int) -> list[dict]:
     """Median decode step time and the part of it spent sampling, per workload and batch size."""
-    import service.engine.core as core
+    import service.engine.sample_step as sample_step
 
     spent: list[float] = []
-    original = core.sample
+    original = sample_step.sample
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
@@ -143,7 +143,7 @@ def sampler_share(bundle: Path, batches: list[int], steps: int, threads: int) ->
         spent.append(time.perf_counter() - t)
         return out
 
-    core.sample = timed
+    sample_step.sample = timed
     try:
         engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=max(batches), threads=threads,
                                      max_batch_tokens=max(512, max(batches) * 9)))
@@ -173,7 +173,7 @@ def sampler_share(bundle: Path, batches: list[int], steps: int, threads: int) ->
                       f"sampling {sample_ms:5.2f} ms ({sample_ms / step_ms:.0%})")
         return rows
     finally:
-        core.sample = original
+        sample_step.sample = original
 
 
 def main(argv: list[str] | None = None) -> int:

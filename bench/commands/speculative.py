@@ -89,7 +89,8 @@ def workload_runs(bundle: Path, new_tokens: int, prompts: int, rounds: int, k: i
         ps = prompts_of(engines["off"].tokenizer, workload, prompts, random_ids)
         tps: dict[str, list[float]] = {m: [] for m in engines}
         texts: dict[str, list] = {}
-        before = (spec.proposed, spec.accepted, spec.calls, spec.tokens)
+        c = engines["ngram"].counters
+        before = (c.draft_tokens, c.accepted_tokens, c.decode_calls, c.speculating_tokens)
         for r in range(rounds + 1):  # the first round warms up and is not counted
             spent = {m: [0, 0.0] for m in engines}  # tokens, seconds
             for mode in ("off", "ngram", "ngram", "off"):  # each round ABBA: the order costs both alike
@@ -105,7 +106,7 @@ def workload_runs(bundle: Path, new_tokens: int, prompts: int, rounds: int, k: i
                 for m, (tokens, seconds) in spent.items():
                     tps[m].append(tokens / seconds)
         proposed, accepted, calls, spec_tokens = (a - b for a, b in zip(
-            (spec.proposed, spec.accepted, spec.calls, spec.tokens), before, strict=True))
+            (c.draft_tokens, c.accepted_tokens, c.decode_calls, c.speculating_tokens), before, strict=True))
         result[workload] = {"tokens_per_s": {m: statistics.median(v) for m, v in tps.items()},
                             "ratio_per_round": [a / b for a, b in zip(tps["ngram"], tps["off"], strict=True)],
                             "proposed": proposed, "accepted": accepted, "decode_calls": calls,

@@ -196,6 +196,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        # the engine thread's own: the outputs of each request submitted `whole`, held until it ends
+        self._held: dict[RequestState, list[TokenEvent | EngineError]] = {}
 
     def start(self) -> None:
         if self._thread is None:
@@ -232,7 +234,6 @@ class AsyncEngine:
             raise EngineStopped("the engine is shutting down")
         self._loop = self._loop or asyncio.get_running_loop()
         state = self.engine.new_request(request, grammar)  # pure: validates, raises InvalidRequest
-        state.whole = whole
         if request.request_id in self._streams:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         self._admit(request.slots)
@@ -240,7 +241,7 @@ class AsyncEngine:
         self._streams[state.id] = stream
         self._seqs_in_flight += request.slots
         self._submitted += 1
-        self._commands.put((ADD, state))
+        self._commands.put((ADD, (state, whole)))
         return stream
 
     def _admit(self, n: int) -> None:
@@ -323,10 +324,14 @@ class AsyncEngine:
             for kind, arg in self._take(wait=not engine.has_work and not stopping):
                 if kind == ADD:
                     taken += 1
+                    state, whole = arg
                     try:
-                        engine.add(arg)
+                        engine.add(state)
                     except EngineError as e:
-                        out.append((arg, e))
+                        out.append((state, e))
+                        continue
+                    if whole:
+                        self._held[state] = []
                 elif kind == ABORT:
                     out += engine.abort(*arg)
                 else:
@@ -359,18 +364,17 @@ class AsyncEngine:
 
     def _deliver(self, out: list[Output]) -> None:
         """Hand outputs to the loop, with each request's timing as of now (copied on this thread); a whole
-        request's wait on it until it has ended."""
+        request's wait in `_held` until it has ended."""
         if out and self._loop is not None and not self._loop.is_closed():
             items = []
             for state, item in out:
-                if state.whole:
-                    state.held.append(item)
-                    if not state.done:
-                        continue
-                    timing = state.timing()
-                    items += [(state.id, state, held, timing) for held in state.held]
-                    state.held = []
-                else:
+                held = self._held.get(state)
+                if held is None:
                     items.append((state.id, state, item, state.timing()))
+                    continue
+                held.append(item)
+                if state.done:
+                    timing = state.timing()
+                    items += [(state.id, state, one, timing) for one in self._held.pop(state)]
             if items:
                 self._loop.call_soon_threadsafe(self._dispatch, items)

@@ -1,8 +1,9 @@
 """Beam search inside the engine: a request's beams are its sequences, decoded in the batch beside any other
-request's; after each step its `BeamSearch` chooses the next beams, and the sequences take them.
+request's. The sample phase has the request's `BeamSearch` choose the next beams (a `BeamChoice`); this
+applies the choice to the sequences, in the output step.
 
-    step = BeamStep(engine)
-    outputs = step.update(seqs, logits)     # the beam requests' rows of a step's sampled logits
+    step = BeamStep(kv, scheduler, tokenizer, eos_ids, end)
+    outputs = step.apply(choice, now)     # the next beams taken, or, the search done, its best hypotheses emitted
 
 A beam continued by several next beams keeps its slot for the first and has its keys and values (the
 live prefix) copied into the slots of beams nothing continues; a beam continued by one keeps its slot
@@ -13,37 +14,36 @@ is freed.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-
-import numpy as np
+from collections.abc import Callable
 
 from service.engine.detokenizer import TextStream
+from service.engine.errors import EngineError
+from service.engine.kv_cache import KVCache
 from service.engine.request import FinishReason, TokenEvent
-from service.engine.sequence import RequestState, Sequence
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import RequestState
+from service.engine.step_data import BeamChoice, Output
+from service.runtime.tokenizer import Tokenizer
 
 
 class BeamStep:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, kv: KVCache, scheduler: Scheduler, tokenizer: Tokenizer, eos_ids: frozenset[int],
+                 end: Callable[[RequestState, EngineError | None], list[Output]]):
+        self.kv = kv  # a beam continued by several has its live prefix copied into the spare beams' slots
+        self.scheduler = scheduler  # feeds each beam its token, frees the slots when the search ends
+        self.tokenizer = tokenizer  # the hypotheses' text
+        self.eos_ids = eos_ids  # a hypothesis that ends with one of them finished with EOS
+        self.end = end  # ends the request once its hypotheses are out
 
-    def update(self, seqs: list[Sequence], logits: np.ndarray) -> list:
-        """`seqs` are rows of beam search requests (every beam of each, in any order), `logits` their rows."""
-        rows: dict[RequestState, dict[int, int]] = defaultdict(dict)
-        for row, seq in enumerate(seqs):
-            rows[seq.request_state][seq.index] = row
-        out = []
-        for state, by_index in rows.items():
-            width = state.beam.width
-            assert len(by_index) == width, "a beam search request decodes all its beams in every step"
-            parents, tokens = state.beam.step(logits[[by_index[i] for i in range(width)]])
-            if state.beam.done:
-                out += self._finish(state)
-            else:
-                self._take(state, parents, tokens)
-        return out
+    def apply(self, choice: BeamChoice, now: float) -> list[Output]:
+        """The next beams taken by the request's sequences; or, when its search is done, its hypotheses."""
+        if choice.state.beam.done:
+            return self._finish(choice.state, now)
+        self._take(choice.state, choice.parents, choice.tokens, now)
+        return []
 
-    def _take(self, state: RequestState, parents: list[int], tokens: list[int]) -> None:
+    def _take(self, state: RequestState, parents: list[int], tokens: list[int], now: float) -> None:
         """Sequence i holds beam i; the next beam j continues beam parents[j] with tokens[j]."""
         children: dict[int, list[int]] = defaultdict(list)
         for j, p in enumerate(parents):
@@ -54,7 +54,7 @@ class BeamStep:
             holder[js[0]] = p
             for j in js[1:]:
                 holder[j] = spare.pop()
-        kv, scheduler = self.engine.kv, self.engine.scheduler
+        kv, scheduler = self.kv, self.scheduler
         seqs = state.seqs
         for j, i in holder.items():
             parent = seqs[parents[j]]
@@ -66,21 +66,19 @@ class BeamStep:
             seqs[i].output_ids = state.beam.running[i]  # a new list each step, never appended to
             scheduler.feed(seqs[i], tokens[j])
         if state.first_token_at is None:
-            state.first_token_at = time.monotonic()
+            state.first_token_at = now
 
-    def _finish(self, state: RequestState) -> list:
+    def _finish(self, state: RequestState, now: float) -> list[Output]:
         """The n best hypotheses as completions 0 .. n - 1, whole; every beam's slot back."""
-        e = self.engine
-        now = time.monotonic()
-        out = []
+        out: list[Output] = []
         stop_ids = frozenset(state.request.stopping.stop_token_ids)
         for i, hyp in enumerate(state.beam.best(state.request.n)):
-            text = TextStream(e.tokenizer, [])
+            text = TextStream(self.tokenizer, [])
             for k, token in enumerate(hyp.tokens):
                 last = k == len(hyp.tokens) - 1
                 reason = None
                 if last:
-                    reason = (FinishReason.STOP if token in stop_ids else FinishReason.EOS if token in e.eos_ids
+                    reason = (FinishReason.STOP if token in stop_ids else FinishReason.EOS if token in self.eos_ids
                               else FinishReason.LENGTH)
                 piece = "" if reason in (FinishReason.EOS, FinishReason.STOP) else text.push(token, False)[0]
                 if last:
@@ -89,7 +87,6 @@ class BeamStep:
                                               beam_score=hyp.score if last else None)))
         if state.first_token_at is None:
             state.first_token_at = now
-        e.count_tokens(len(out))
         for seq in state.seqs:
-            e.scheduler.free(seq)
-        return out + e.end(state, None)
+            self.scheduler.free(seq)
+        return out + self.end(state, None)

@@ -1,32 +1,88 @@
-"""The output step: each sampled token appended to its sequence, checked against the stop conditions,
-emitted as a `TokenEvent`, and the sequence fed to the next decode or finished (its slot freed; the
-request ends with its last sequence). A sequence's last event carries its speculative decoding counts.
+"""The output step: what the sample phase chose, applied. Each token is appended to its sequence, checked
+against the stop conditions, emitted as a `TokenEvent`, and the sequence fed to the next decode or finished
+(its slot freed; the request ends with its last sequence); a beam search's next beams are taken (`BeamStep`).
+A sequence's last event carries its speculative decoding counts.
 
-    step = OutputStep(scheduler, eos_ids, end)          # end(request_state, error) ends a request
-    outputs = step.update(seq, token, logprob, top, now)
+    step = OutputStep(scheduler, eos_ids, end, beams, counters)   # end(request_state, error) ends a request
+    outputs = step.apply(sampled)
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
+from service.engine.beam_step import BeamStep
+from service.engine.counters import EngineCounters
 from service.engine.errors import EngineError, ModelError
 from service.engine.request import FinishReason, TokenEvent
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import RequestState, Sequence, Status
+from service.engine.step_data import BeamChoice, Drafted, Output, Sampled
 
 log = logging.getLogger(__name__)
-
-Output = tuple[RequestState, "TokenEvent | EngineError"]  # what a step gives a request: a token, or its end
 
 
 class OutputStep:
     def __init__(self, scheduler: Scheduler, eos_ids: frozenset[int],
-                 end: Callable[[RequestState, EngineError | None], list[Output]]):
+                 end: Callable[[RequestState, EngineError | None], list[Output]], beams: BeamStep,
+                 counters: EngineCounters):
         self.scheduler = scheduler
         self.eos_ids = eos_ids  # every id that ends generation (Llama 3 has several)
         self.end = end
+        self.beams = beams  # applies a beam search's next beams
+        self.counters = counters  # tokens emitted, drafts checked and accepted
+
+    def apply(self, sampled: Sampled) -> list[Output]:
+        """Apply one model call's choices; returns the outputs, the call's failed requests' first. The rows that
+        verified drafts have their slots' lengths advanced past the drafts kept first (before any slot moves),
+        then the requests whose sampling failed end, then each beam search and each row takes its tokens."""
+        now = time.monotonic()
+        out = list(sampled.failed)
+        for row in sampled.drafted:
+            self.scheduler.kept_drafts(row.seq, row.kept)
+            row.seq.speculation.proposed += row.drafts  # before its tokens: its last event reports it
+            self.counters.drafts += 1
+            self.counters.draft_tokens += row.drafts
+        for state, error in sampled.faults:
+            if not state.done:
+                out += self.end(state, error)
+        emitted = len(sampled.tokens)
+        for choice in sampled.beams:
+            events = self._beam(choice, now)
+            emitted += len(events)
+            out += events
+        for seq, token, logprob, top in zip(sampled.seqs, sampled.tokens, sampled.logprobs, sampled.tops,
+                                            strict=True):
+            out += self.update(seq, token, logprob, top, now)
+        for row in sampled.drafted:
+            emitted += self._drafted(row, now, out)
+        self.counters.count_tokens(emitted, now)
+        return out
+
+    def _drafted(self, row: Drafted, now: float, out: list[Output]) -> int:
+        """A row's kept drafts and the target's token, in order, until one ends it; returns how many it took."""
+        seq = row.seq
+        for j, token in enumerate(row.tokens):
+            if seq.status is Status.FINISHED or seq.request_state.done:
+                return j  # a stop before the rest drops it
+            if j < row.kept:  # counted before its event, which may be the sequence's last and report it
+                seq.speculation.accepted += 1
+                self.counters.accepted_tokens += 1
+            out += self.update(seq, token, row.logprobs[j], row.tops[j], now)
+        return len(row.tokens)
+
+    def _beam(self, choice: BeamChoice, now: float) -> list[Output]:
+        """A beam search's next beams taken (or its hypotheses emitted); a failure here is the request's alone."""
+        if choice.state.done:
+            return []
+        try:
+            return self.beams.apply(choice, now)
+        except Exception as e:  # a bug in one request's beams: never the step's, nor another request's
+            log.error("request %s: taking the next beams failed", choice.state.id, exc_info=e)
+            return self.end(choice.state, ModelError("the server failed producing this request's output",
+                                                     detail=f"{type(e).__name__}: {e}"))
 
     def update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence. A

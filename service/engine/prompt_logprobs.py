@@ -6,25 +6,19 @@ already computes at every prompt position, for the requests that ask (`Generatio
 
 Position i's logits give token i + 1's logprob, so a chunk scores the tokens after each of its positions
 that lie inside the prompt (the last position's logits give the first generated token instead). The first
-prompt token has none: its entry is `FIRST`. Like the generated tokens' logprobs (`sampler.with_logprobs`),
-they are the log-softmax of the raw logits over the ids the model can emit (`sampleable`: not a padded
-vocabulary's ids past the tokenizer's), and the k alternatives are the most likely of those, most likely first.
+prompt token has none: its entry is `FIRST_PROMPT_LOGPROB` (`request.py`, beside the event that carries
+them). Like the generated tokens' logprobs (`sampler.with_logprobs`), they are the log-softmax of the raw
+logits over the ids the model can emit (`sampleable`: not a padded vocabulary's ids past the tokenizer's),
+and the k alternatives are the most likely of those, most likely first.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from service.engine.request import PromptLogprob
 from service.engine.sampler import log_partition, most_likely
-
-if TYPE_CHECKING:
-    from service.engine.sequence import RequestState
-
-# one prompt token's (logprob, its k most likely alternatives as (id, logprob)); None for the first token
-PromptLogprob = tuple[float | None, list[tuple[int, float]] | None]
-FIRST: PromptLogprob = (None, None)
+from service.engine.sequence import RequestState
 
 
 def score(logits: np.ndarray, prompt: list[int], start: int, k: int, sampleable: int) -> list[PromptLogprob]:

@@ -304,6 +304,11 @@ def _int_range(name: str, value: int, low: int, high: int) -> None:
         raise InvalidRequest(name, f"{value!r} is outside [{low}, {high}]")
 
 
+# one prompt token's (logprob, its k most likely alternatives as (id, logprob)); None for the first token
+PromptLogprob = tuple[float | None, list[tuple[int, float]] | None]
+FIRST_PROMPT_LOGPROB: PromptLogprob = (None, None)
+
+
 @dataclass
 class TokenEvent:
     """One generated token of one sequence, with its text delta; the last one carries finish_reason."""
@@ -318,7 +323,7 @@ class TokenEvent:
     time: float = 0.0  # time.monotonic() of the step that produced it
     # on each sequence's first event of a request that asked for them: one (logprob, alternatives) per prompt
     # token, the first token's (None, None) (`service.engine.prompt_logprobs`)
-    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
     beam_score: float | None = None  # on a beam search completion's last event: its hypothesis's score
     # on a sequence's last event: the draft tokens speculative decoding had the model check for it, and of those
     # the ones it kept (they are among the sequence's tokens); 0 when it did not speculate

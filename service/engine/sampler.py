@@ -21,8 +21,10 @@ NO_IDS = np.empty(0, dtype=np.int64)
 
 
 @dataclass
-class SamplingState:
-    """What the sampler keeps for one sequence between steps."""
+class SequenceSampling:
+    """One sequence's sampling, kept between steps: its parameters, its own seeded generator, which logprobs it
+    reports, and the history the sampler's adjustments read (the counts and seen ids its penalties need, the
+    ids it suppresses until `min_tokens` are generated)."""
 
     params: SamplingParams
     rng: np.random.Generator  # this sequence's own generator
@@ -38,7 +40,7 @@ class SamplingState:
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int], vocab_size: int, seed: int, index: int = 0, *,
                want_logprobs: bool = True, top_logprobs: int = 0, suppress: np.ndarray = NO_IDS,
-               min_tokens: int = 0) -> SamplingState:
+               min_tokens: int = 0) -> SequenceSampling:
         state = cls(params, np.random.default_rng([seed, index]), vocab_size, want_logprobs, top_logprobs,
                     suppress=suppress, min_tokens=min_tokens)
         if params.penalised:
@@ -57,7 +59,7 @@ class SamplingState:
             self.counts[token] += 1
             self.seen[token] = True
 
-    def fork(self, index: int, seed: int) -> SamplingState:
+    def fork(self, index: int, seed: int) -> SequenceSampling:
         """A sibling sequence of the same request (n > 1), with its own RNG stream."""
         twin = replace(self, rng=np.random.default_rng([seed, index]))
         if self.counts is not None:
@@ -70,7 +72,7 @@ class SamplingBatch:
     engine keeps one for its decode rows), so a step loops over rows only for per-row state: the
     penalised rows' counts, the rows still suppressing ids, and one RNG draw per sampled row."""
 
-    def __init__(self, states: list[SamplingState]):
+    def __init__(self, states: list[SequenceSampling]):
         self.states = states
         params = [s.params for s in states]
         self.greedy = np.array([p.greedy for p in params])
@@ -124,7 +126,7 @@ class SampleOutput:
         return list(zip(self.top_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist(), strict=True))
 
 
-def apply_penalties(logits: np.ndarray, states: list[SamplingState], rows: list[int] | None = None) -> None:
+def apply_penalties(logits: np.ndarray, states: list[SequenceSampling], rows: list[int] | None = None) -> None:
     """Penalties and suppression, in place, for `rows` (default: every row)."""
     for i in range(len(states)) if rows is None else rows:
         s = states[i]
@@ -221,16 +223,6 @@ def _kept_weights(e: np.ndarray, z: np.ndarray, filters: Filters) -> np.ndarray:
     return np.where(e >= cutoff[:, None], e, 0.0)
 
 
-def filtered_weights(scaled: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Unnormalised probabilities [R, vocab] that rows sharing `params` are drawn from, given their logits
-    after temperature (`scaled`): top-k, top-p and min-p applied over the whole vocabulary."""
-    e = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    if not params.filtered:
-        return e
-    z = e.sum(axis=1, dtype=np.float64)[:, None].astype(np.float32)
-    return _kept_weights(e, z, Filters.of([params] * len(e)))
-
-
 def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.ndarray:
     """The drawn rows (`batch.sampled`): temperature, then top-k/top-p/min-p where asked, then one draw each."""
     scaled = logits / batch.temperature[:, None]
@@ -245,10 +237,11 @@ def sample_rows(logits: np.ndarray, batch: SamplingBatch, u: np.ndarray) -> np.n
     return tokens
 
 
-def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n: int = 0,
-           masks: tuple[np.ndarray, np.ndarray] | None = None) -> SampleOutput:
+def sample(logits: np.ndarray, batch: SamplingBatch | list[SequenceSampling], top_n: int = 0,
+           masks: tuple[np.ndarray, np.ndarray] | None = None, u: np.ndarray | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [B, vocab] (not modified). `masks` = (rows, allowed [R, vocab]
-    bool): those rows may choose only allowed tokens. Logprobs are computed only for the rows that asked
+    bool): those rows may choose only allowed tokens. `u`: the drawn rows' uniforms (`batch.sampled` order),
+    drawn from each row's generator when not given. Logprobs are computed only for the rows that asked
     for them; the others get NaN."""
     if not isinstance(batch, SamplingBatch):
         batch = SamplingBatch(batch)
@@ -272,7 +265,8 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SamplingState], top_n
         tokens = np.empty(len(batch), dtype=np.int64)
         if batch.sampled.size < len(batch):
             tokens[batch.greedy] = adjusted[batch.greedy].argmax(axis=1)
-        u = np.array([states[i].rng.random() for i in batch.sampled])
+        if u is None:
+            u = np.array([states[i].rng.random() for i in batch.sampled])
         tokens[batch.sampled] = sample_rows(adjusted[batch.sampled], batch, u)
     return with_logprobs(logits, tokens, batch.logprob_rows, max(top_n, batch.top_n))
 

@@ -21,7 +21,7 @@ wrote (prompt and output) when it finishes, so a later chat turn finds the earli
 
 The scheduler is the one owner of the KV cache's bookkeeping: which sequence holds which slot,
 how many positions each slot has written, and the token each decode row feeds next. The engine
-reports what ran (`prefilled`, `decoded`, `feed`, `free`, `drop`); the runner only reads.
+reports what ran (`prefilled`, `decoded`, `kept_drafts`, `feed`, `free`, `drop`); the runner only reads.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ class PrefillWork:
     seqs: list[Sequence]  # one sequence per prompt in this call (the first of each request)
     chunks: list[list[int]]  # token ids written this step, per sequence
     start: int  # position the chunk starts at (0 unless a long prompt is continued)
-
-    @property
-    def chunked(self) -> bool:
-        """One prompt written in pieces (not in one go)."""
-        return len(self.seqs) == 1 and (self.start > 0 or len(self.chunks[0]) < self.seqs[0].prompt_len)
 
     @property
     def tokens(self) -> int:
@@ -182,12 +177,10 @@ class Scheduler:
         """Slots [0, n) have each written one more position."""
         self.kv.lengths[:n] += 1
 
-    def verified(self, n: int, kept: dict[int, int]) -> None:
-        """Slots [0, n) have each written their fed token, and slot i its `kept[i]` drafts after it (what
-        a verification wrote past them is overwritten next)."""
-        self.kv.lengths[:n] += 1
-        for i, k in kept.items():
-            self.kv.lengths[i] += k
+    def kept_drafts(self, seq: Sequence, kept: int) -> None:
+        """`seq`'s slot, which verified drafts after its fed token, keeps the first `kept` of them (what the
+        verification wrote past them is overwritten next)."""
+        self.kv.lengths[seq.slot] += kept
 
     def feed(self, seq: Sequence, token: int) -> None:
         """`token` is what `seq` feeds at its next decode."""

@@ -9,9 +9,8 @@ from typing import Any
 
 from service.engine.beam_search import BeamSearch
 from service.engine.detokenizer import TextStream
-from service.engine.prompt_logprobs import FIRST, PromptLogprob
-from service.engine.request import FinishReason, GenerationRequest
-from service.engine.sampler import SamplingState
+from service.engine.request import FIRST_PROMPT_LOGPROB, FinishReason, GenerationRequest, PromptLogprob
+from service.engine.sampler import SequenceSampling
 from service.engine.speculative import Speculation
 
 
@@ -36,7 +35,7 @@ class Timing:
 class Sequence:
     request_state: RequestState  # the request this sequence is one of the n samples of
     index: int  # position among the request's n sequences
-    sampling: SamplingState
+    sampling: SequenceSampling
     text: TextStream
     slot: int | None = None  # KV slot while it has one
     status: Status = Status.WAITING
@@ -69,14 +68,10 @@ class RequestState:
     prompt_logprobs: list[PromptLogprob] | None = None
     done: bool = False
     beam: BeamSearch | None = None  # a beam search request's running beams and finished hypotheses
-    # a consumer that reads the request's events only once it has ended (a unary call) has them handed over
-    # then, all at once; until then they wait here (`AsyncEngine._deliver`)
-    whole: bool = False
-    held: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.request.prompt_logprobs is not None:
-            self.prompt_logprobs = [FIRST]
+            self.prompt_logprobs = [FIRST_PROMPT_LOGPROB]
 
     @property
     def id(self) -> str:

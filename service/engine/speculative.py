@@ -4,18 +4,17 @@
     drafts = index.propose(k)                             # up to k ids that followed the history's last n-gram
     emitted = accept(logits, drafts, state, masks)        # the tokens the target keeps, one more than the drafts kept
 
-A row feeds its pending token and its k drafts in one call (`StaticRunner.verify`); position j's
-logits are the target's distribution after the drafts before j. `accept` walks the drafts:
+A row feeds its pending token and its k drafts in one call (`StaticRunner.prefill` from the row's length);
+position j's logits are the target's distribution after the drafts before j. `accept` walks the drafts:
 
 - greedy rows keep a draft while it is the target's argmax, then add the target's own token, so the
-  text is the one decoding without speculation gives (the logits are the same bits: docs/engine.md);
-- sampled rows keep draft d with probability min(1, p(d) / q(d)) and otherwise draw from the residual
-  max(p - q, 0), renormalised (Leviathan et al. 2023, Chen et al. 2023): the kept tokens follow the
-  target's distribution exactly. A prompt-lookup draft is certain (q(d) = 1): the rule keeps it with
-  probability p(d), which `_match` does by drawing the target's own token with the sequence's next
-  uniform, as decoding without speculation would, and keeping d if it is that token; so the sampled
-  output does not depend on which steps speculated. After k kept drafts the target's last position
-  gives one more token.
+  text is the one decoding without speculation gives (up to the attention kernel's rounding of a
+  several-position call, about 1e-6: docs/speculative.md);
+- sampled rows keep a draft d with probability p(d), the rule of Leviathan et al. / Chen et al. (2023)
+  for a certain draft (q(d) = 1), and otherwise take a token that follows p without d: `_match` draws
+  the target's own token with the sequence's next uniform, as decoding without speculation would, and
+  keeps d if it is that token; so the sampled output does not depend on which steps speculated. After k
+  kept drafts the target's last position gives one more token.
 
 p is what the sampler would draw from at that position: the grammar mask, penalties and suppression
 as if the drafts before it were generated, then temperature and top-k/top-p/min-p. Every uniform
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.sampler import SamplingBatch, SamplingState, apply_penalties, filtered_weights, sample_rows
+from service.engine.sampler import SamplingBatch, SequenceSampling, apply_penalties, sample_rows
 
 MAX_NGRAM = 3  # the longest suffix looked up in the history
 MIN_NGRAM = 1
@@ -44,14 +43,10 @@ class Speculation:
     """One sequence's speculative decoding: its estimate of the share of its drafts the target keeps, its
     prompt lookup, and its counts (its last event reports them). Made at the sequence's first speculative step."""
 
-    acceptance: float
-    index: NgramIndex
-    proposed: int = 0  # draft tokens the target checked
-    accepted: int = 0  # of those, the ones it kept and the sequence emitted (the output step counts them)
-
-    def record(self, proposed: int, kept: int) -> None:
-        self.acceptance = averaged(self.acceptance, kept / proposed)
-        self.proposed += proposed
+    acceptance: float  # the share of its drafts the target keeps, averaged over its steps (the policy's)
+    index: NgramIndex  # its prompt lookup
+    proposed: int = 0  # draft tokens the target checked (the output step counts them)
+    accepted: int = 0  # of those, the ones it kept and the sequence emitted (likewise)
 
 
 def averaged(estimate: float, share: float) -> float:
@@ -101,16 +96,12 @@ class Verdict:
     tokens: list[int]  # the drafts kept, then the target's own token
     kept: int  # drafts kept
 
-    @property
-    def proposed_rejected(self) -> bool:
-        return self.kept < len(self.tokens) - 1
 
-
-def accept(logits: np.ndarray, drafts: list[int], state: SamplingState, allowed: np.ndarray | None = None,
-           draft_probs: np.ndarray | None = None) -> Verdict:
-    """The tokens the target keeps of `drafts`: `logits` [k + 1, vocab] are the target's at the row's k + 1
-    fed positions (not modified); `allowed` [k + 1, vocab] the grammar masks after each draft prefix;
-    `draft_probs` [k, vocab] the draft model's distributions (None: certain drafts, as prompt lookup's)."""
+def accept(logits: np.ndarray, drafts: list[int], state: SequenceSampling, allowed: np.ndarray | None = None
+           ) -> Verdict:
+    """The tokens the target keeps of `drafts` (certain drafts, as prompt lookup's): `logits` [k + 1, vocab] are
+    the target's at the row's k + 1 fed positions (not modified); `allowed` [k + 1, vocab] the grammar masks
+    after each draft prefix."""
     k = len(drafts)
     adjusted = target_logits(logits, drafts, state, allowed)
     if state.params.greedy:
@@ -119,18 +110,10 @@ def accept(logits: np.ndarray, drafts: list[int], state: SamplingState, allowed:
         while kept < k and best[kept] == drafts[kept]:
             kept += 1
         return Verdict(drafts[:kept] + [int(best[kept])], kept)
-    if draft_probs is None:
-        return _match(adjusted, drafts, state)
-    p = target_probs(adjusted, state)
-    for j, d in enumerate(drafts):
-        if state.rng.random() * float(draft_probs[j, d]) < p[j, d]:  # u < p / q without dividing by a q of 0
-            continue
-        residual = np.maximum(p[j] - draft_probs[j], 0.0)
-        return Verdict(drafts[:j] + [draw_one(residual, state.rng.random())], j)
-    return Verdict(list(drafts) + [draw_one(p[k], state.rng.random())], k)
+    return _match(adjusted, drafts, state)
 
 
-def _match(adjusted: np.ndarray, drafts: list[int], state: SamplingState) -> Verdict:
+def _match(adjusted: np.ndarray, drafts: list[int], state: SequenceSampling) -> Verdict:
     """Certain drafts, sampled: at each position the target draws its own token as the sampler would,
     with the sequence's next uniform, and a draft is kept while it is that token. A draft d is so kept
     with probability p(d), and otherwise the token follows p without d: the rule above for q(d) = 1. One
@@ -144,7 +127,7 @@ def _match(adjusted: np.ndarray, drafts: list[int], state: SamplingState) -> Ver
     raise AssertionError("unreachable")
 
 
-def target_logits(logits: np.ndarray, drafts: list[int], state: SamplingState,
+def target_logits(logits: np.ndarray, drafts: list[int], state: SequenceSampling,
                   allowed: np.ndarray | None) -> np.ndarray:
     """Each position's logits as the sampler would adjust them, the drafts before it counted as generated:
     the grammar mask, then penalties and suppression (the same operations `sample` applies, row by row)."""
@@ -161,16 +144,3 @@ def target_logits(logits: np.ndarray, drafts: list[int], state: SamplingState,
             ahead.accept(drafts[j - 1])
         apply_penalties(adjusted[j:j + 1], [ahead])
     return adjusted
-
-
-def target_probs(adjusted: np.ndarray, state: SamplingState) -> np.ndarray:
-    """[positions, vocab] the probabilities a sampled row draws from: temperature, then its filters."""
-    weights = filtered_weights(adjusted / np.float32(state.params.temperature), state.params)
-    return weights / weights.sum(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)
-
-
-def draw_one(weights: np.ndarray, u: float) -> int:
-    """Index i with probability weights[i] / sum(weights), by inverse CDF."""
-    cum = np.cumsum(weights, dtype=np.float64)
-    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
-    return min(i, int(np.flatnonzero(weights > 0)[-1]))

@@ -1,13 +1,14 @@
-"""The engine's speculative decode step: which rows propose how many tokens, a verification call for each
-row that does (its fed token and drafts, `StaticRunner.prefill` from the row's length), a plain decode
-for the rest, and each row's kept tokens through the output step. onnxruntime's attention continues a
-cache with several tokens for one row at a time, hence a call per speculating row.
+"""The engine's speculative decoding policy and its model calls: which decode rows propose how many tokens,
+and a verification call for each row that does (its fed token and drafts, `StaticRunner.prefill` from the
+row's length). onnxruntime's attention continues a cache with several tokens for one row at a time, hence a
+call per speculating row. It neither samples nor updates: the sample phase keeps what the target accepts
+(`SampleStep`), and the output step emits it.
 
-    step = SpeculativeStep.of(engine, config)   # None when config.speculative is "off"
-    step.calibrate()                       # at warm-up: the model's call times by rows and tokens per row
-    drafts = step.plan(decode)             # {row: drafts}; empty when decoding as usual costs less
-    outputs = step.run(decode, drafts)
-    step.stats()                           # drafts, draft tokens and accepted tokens since start
+    step = SpeculativeStep.of(config, runner, kv, context, max_running, counters)   # None when it is off
+    step.calibrate()                         # at warm-up: the model's call times by rows and tokens per row
+    plan = step.plan(decode)                 # plan.drafts {row: drafts}; empty when a plain decode costs less
+    logits = step.verify(decode, plan.drafts, ids, starts)   # {row: [k + 1, vocab]}, a call per row
+    step.measured(plan, sampled)             # once the phase is applied: acceptance estimates, measured rates
 
 The policy (docs/speculative.md): each sequence keeps an estimate `a` of the share of its drafts the
 target kept (an exponential average over its recent steps); a row that proposes k tokens then yields
@@ -15,34 +16,24 @@ target kept (an exponential average over its recent steps); a row that proposes 
 per second of its verification call; the step then speculates only if the batch's expected tokens per
 second beat a plain decode's, counting a call per speculating row (and the decode of the others). The
 seconds are the call times measured at start-up, so speculation stops by itself where the calls cost
-more than the drafts yield: in practice beyond a batch of one or two.
-
-A draft token counts as accepted when the target kept it and the sequence emitted it (a stop met before
-it drops it): the engine's counters and each sequence's (`Speculation`, on its last event) count alike.
+more than the drafts yield: in practice beyond a batch of one or two. A beam never speculates: it takes
+the token its search chooses.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from service.engine.config import EngineConfig
-from service.engine.grammar import allowed
-from service.engine.request import TokenEvent
-from service.engine.sampler import SamplingBatch, sample, with_logprobs
+from service.engine.counters import EngineCounters
+from service.engine.kv_cache import KVCache
 from service.engine.sequence import Sequence, Status
-from service.engine.speculative import (
-    FIRST_ACCEPTANCE,
-    NgramIndex,
-    Speculation,
-    Verdict,
-    accept,
-    averaged,
-    expected_tokens,
-)
+from service.engine.speculative import FIRST_ACCEPTANCE, NgramIndex, Speculation, averaged, expected_tokens
+from service.engine.step_data import Sampled, SpeculationPlan
+from service.runtime.static_runner import StaticRunner
 
 log = logging.getLogger(__name__)
 
@@ -52,32 +43,25 @@ TRIAL_EVERY = 16  # steps a losing speculation sits out before it is tried again
 LONGEST_SIT_OUT = 512  # ... doubling after each trial it loses, up to this
 
 
-@dataclass(frozen=True)
-class SpeculationStats:
-    """Speculative decoding since the engine started, as its snapshot carries it (all 0 when it is off)."""
-
-    drafts: int = 0  # drafts the target checked: one per speculating row and step
-    draft_tokens: int = 0  # their tokens
-    accepted_tokens: int = 0  # of those, the ones the target kept and the sequences emitted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-
 class SpeculativeStep:
     @classmethod
-    def of(cls, engine, config: EngineConfig) -> SpeculativeStep | None:
+    def of(cls, config: EngineConfig, runner: StaticRunner, kv: KVCache, context: int, max_running: int,
+           counters: EngineCounters) -> SpeculativeStep | None:
         """The engine's speculative step as `config` asks for it (None: off)."""
         if config.speculative == "off":
             return None
-        if engine.encoder_decoder:
+        if runner.manifest.model.encoder_decoder:
             raise ValueError("speculative decoding serves decoder-only models; this bundle is an encoder-decoder")
-        return cls(engine, config.speculative_tokens)
+        return cls(runner, kv, context, max_running, config.speculative_tokens, counters)
 
-    def __init__(self, engine, max_tokens: int):
-        self.engine = engine
+    def __init__(self, runner: StaticRunner, kv: KVCache, context: int, max_running: int, max_tokens: int,
+                 counters: EngineCounters):
+        self.runner = runner
+        self.kv = kv  # its lengths: the room a row's slot has for drafts
+        self.context = context  # positions per sequence
+        self.max_running = max_running  # the widest decode, calibrated
         self.max_tokens = max_tokens  # drafts per row at most
+        self.counters = counters  # the engine's: the decode phases decided, and what the speculating ones gave
         # measured by calibrate: a plain decode's seconds by batch width; a one-row verification's by drafts
         self.decode_seconds: dict[int, float] = {}
         self.verify_seconds = np.zeros(0)
@@ -88,16 +72,10 @@ class SpeculativeStep:
         self.trial_every = TRIAL_EVERY
         self.measure_rates = True  # False: the call times alone decide (the tests' deterministic engines)
         self.acceptance = FIRST_ACCEPTANCE  # over every sequence's recent drafts: a new sequence starts from it
-        # since start: drafts checked, their tokens, of those the ones kept and emitted, decode calls (plain or
-        # verifying), tokens they gave
-        self.drafts = self.proposed = self.accepted = self.calls = self.tokens = 0
-
-    def stats(self) -> SpeculationStats:
-        return SpeculationStats(self.drafts, self.proposed, self.accepted)
 
     def report(self) -> None:
-        """Log the counts since start in one line (`AsyncEngine` does when its thread stops)."""
-        s = self.stats()
+        """Log the engine's counts since start in one line (`AsyncEngine` does when its thread stops)."""
+        s = self.counters.speculation()
         log.info("speculative decoding: %d drafts, %d draft tokens proposed, %d accepted (acceptance rate %.1f%%)",
                  s.drafts, s.draft_tokens, s.accepted_tokens, 100 * s.acceptance_rate)
 
@@ -107,7 +85,7 @@ class SpeculativeStep:
         """Time a plain decode at batch widths 1, 2, 4, ... up to the engine's, and a one-row verification
         of 2 .. max_tokens + 1 tokens (before any request holds a slot: the calls write slots' first
         positions, which prefills overwrite)."""
-        runner, widest = self.engine.runner, self.engine.max_running
+        runner, widest = self.runner, self.max_running
         started = time.perf_counter()
         for n in sorted({min(2 ** i, widest) for i in range(widest.bit_length() + 1)}):
             zeros = np.zeros(n, dtype=np.int64)
@@ -123,8 +101,12 @@ class SpeculativeStep:
         wider = [w for w in self.decode_seconds if w >= n]
         return self.decode_seconds[min(wider)] if wider else self.decode_seconds[max(self.decode_seconds)]
 
-    def plan(self, decode: list[Sequence]) -> dict[int, list[int]]:
-        """The drafts each row checks this step (rows with none are absent); empty: a plain decode."""
+    def plan(self, decode: list[Sequence]) -> SpeculationPlan:
+        """The drafts each decode row checks this step (rows with none are absent; none: a plain decode)."""
+        started = time.perf_counter()  # the phase's time counts its planning
+        return SpeculationPlan(len(decode), self._drafts(decode), started)
+
+    def _drafts(self, decode: list[Sequence]) -> dict[int, list[int]]:
         if not self.decode_seconds:
             return {}
         n = len(decode)
@@ -141,7 +123,8 @@ class SpeculativeStep:
         alone = np.concatenate([[self.decode_seconds[1]], self.verify_seconds[1:]])  # one row, by drafts
         drafts: dict[int, list[int]] = {}
         for i, seq in enumerate(decode):
-            if seq.status is not Status.DECODING or not seq.request.speculative:
+            # a beam takes the token its search chooses, never a draft
+            if seq.status is not Status.DECODING or not seq.request.speculative or seq.request_state.beam is not None:
                 continue
             if seq.speculation is None:  # its first step: it starts from the engine's recent acceptance
                 seq.speculation = Speculation(self.acceptance, NgramIndex())
@@ -164,23 +147,24 @@ class SpeculativeStep:
         self._sat_out[n] = 0
         return drafts
 
-    def decode(self, decode: list[Sequence]) -> list:
-        """The step's decode rows: speculating where `plan` finds it pays, else a plain decode; the step's
-        tokens per second update the measured rate of its kind."""
-        started = time.perf_counter()
-        drafts = self.plan(decode)
-        self.calls += 1
-        out = self.run(decode, drafts) if drafts else self.engine.plain_decode(decode)
-        tokens = sum(isinstance(item, TokenEvent) for _, item in out)
-        rate = tokens / max(time.perf_counter() - started, 1e-9)
-        n = len(decode)
+    def measured(self, plan: SpeculationPlan, sampled: Sampled) -> None:
+        """The decode phase `plan` decided has been applied: the drafts kept update the acceptance estimates,
+        and the phase's tokens per second (planning, calls, sampling and emitting) the measured rate of its kind."""
+        tokens = sampled.chosen
+        for row in sampled.drafted:
+            row.seq.speculation.acceptance = averaged(row.seq.speculation.acceptance, row.kept / row.drafts)
+            self.acceptance = averaged(self.acceptance, row.kept / row.drafts)
+        self.counters.decode_calls += 1
+        if plan.drafts:
+            self.counters.speculating_tokens += tokens
+        rate = tokens / max(time.perf_counter() - plan.started, 1e-9)
+        n = plan.width
         rates = self.rates.setdefault(n, {})
-        kind = "speculative" if drafts else "plain"
+        kind = "speculative" if plan.drafts else "plain"
         rates[kind] = rate if kind not in rates else RATE_MEMORY * rates[kind] + (1 - RATE_MEMORY) * rate
-        if drafts:  # a trial that still measures the slower doubles the next sit-out; one that wins ends it
+        if plan.drafts:  # a trial that still measures the slower doubles the next sit-out; one that wins ends it
             patience = self._patience.get(n, self.trial_every)
             self._patience[n] = min(2 * patience, LONGEST_SIT_OUT) if self._losing(n) else self.trial_every
-        return out
 
     def _losing(self, n: int) -> bool:
         """Whether speculating has measured slower than plain decoding at `n` rows."""
@@ -191,7 +175,7 @@ class SpeculativeStep:
         """Drafts the sequence can take: one token is left for the target's own, and the slot keeps room
         for the call's padding."""
         left = seq.request.stopping.max_new_tokens - len(seq.output_ids) - 1
-        room = self.engine.context - int(self.engine.kv.lengths[seq.slot]) - 3
+        room = self.context - int(self.kv.lengths[seq.slot]) - 3
         return max(0, min(self.max_tokens, left, room))
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
@@ -204,85 +188,14 @@ class SpeculativeStep:
             drafts = drafts[:valid]
         return drafts
 
-    # ---- the step --------------------------------------------------------------------------------
+    # ---- the calls ------------------------------------------------------------------------------
 
-    def run(self, decode: list[Sequence], drafts: dict[int, list[int]]) -> list:
-        """Verify `drafts` (row -> ids) of the decode rows [0, n), a call per row, and decode the others in
-        one call; then emit each row's kept tokens. Rows without drafts are sampled as a plain decode
-        samples them."""
-        e = self.engine
-        n = len(decode)
-        ids, starts = (a.copy() for a in e.scheduler.decode_inputs(n))
-        logits: dict[int, np.ndarray] = {}  # row -> its positions' logits
-        try:
-            if len(drafts) < n:  # every row writes its fed token; the verifications below overwrite theirs
-                first = e.runner.decode(ids, starts)
-                logits = {i: e.only_sampleable(first[i][None].copy()) for i in range(n) if i not in drafts}
-            for i, d in drafts.items():
-                logits[i] = e.only_sampleable(e.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i])))
-        except Exception as err:
-            return e.fail_decode(decode, err)
-        live = [i for i, s in enumerate(decode) if s.status is Status.DECODING]
-        verdicts = self._verdicts(decode, live, logits, drafts)
-        e.scheduler.verified(n, {i: v.kept for i, v in verdicts.items()})
-        out = []
-        now = time.monotonic()
-        for i, verdict in verdicts.items():
-            seq = decode[i]
-            if i in drafts:
-                seq.speculation.record(len(drafts[i]), verdict.kept)
-                self.acceptance = averaged(self.acceptance, verdict.kept / len(drafts[i]))
-                self.drafts += 1
-                self.proposed += len(drafts[i])
-            scored = self._logprobs(logits[i][:len(verdict.tokens)], verdict.tokens, seq)
-            for j, token in enumerate(verdict.tokens):
-                if j < verdict.kept:  # counted before its event, which may be the sequence's last and report it
-                    seq.speculation.accepted += 1
-                    self.accepted += 1
-                logprob = None if scored.logprobs[j] != scored.logprobs[j] else float(scored.logprobs[j])  # NaN: none
-                out += e.output.update(seq, token, logprob, scored.top(j, seq.request.top_logprobs), now)
-                self.tokens += 1
-                e.count_tokens(1)
-                if seq.status is Status.FINISHED or seq.request_state.done:
-                    break
-        return out
-
-    def _verdicts(self, decode: list[Sequence], live: list[int], logits: dict[int, np.ndarray],
-                  drafts: dict[int, list[int]]) -> dict[int, Verdict]:
-        e = self.engine
-        verdicts: dict[int, Verdict] = {}
-        plain = [i for i in live if i not in drafts]
-        if plain:  # no drafts: the sampler, exactly as a plain decode step
-            seqs = [decode[i] for i in plain]
-            first = np.stack([logits[i][0] for i in plain]).astype(np.float32)
-            result = sample(first, SamplingBatch([s.sampling for s in seqs]), masks=e.masks_of(seqs))
-            for i, token in zip(plain, result.tokens.tolist(), strict=True):
-                verdicts[i] = Verdict([token], 0)
-        for i in live:
-            if i in drafts:
-                seq, d = decode[i], drafts[i]
-                verdicts[i] = accept(logits[i][:len(d) + 1], d, seq.sampling, self._draft_masks(seq, d))
-        return dict(sorted(verdicts.items()))
-
-    def _draft_masks(self, seq: Sequence, drafts: list[int]) -> np.ndarray | None:
-        """The grammar's allowed tokens after each prefix of `drafts` [k + 1, vocab] (None: unconstrained)."""
-        m = seq.matcher
-        if m is None:
-            return None
-        grammars = self.engine.grammars
-        bits = [grammars.masks([m])]
-        for token in drafts:
-            m.consume_token(token)
-            bits.append(grammars.masks([m]))
-        m.rollback(len(drafts))
-        return allowed(np.concatenate(bits), self.engine.model.vocab_size)
-
-    @staticmethod
-    def _logprobs(rows: np.ndarray, tokens: list[int], seq: Sequence):
-        """The model's own logprobs of the row's emitted `tokens` (and alternatives), as the sampler reports them."""
-        s = seq.sampling
-        asked = np.arange(len(tokens)) if s.want_logprobs or s.top_logprobs else np.arange(0)
-        return with_logprobs(rows.astype(np.float32), np.array(tokens), asked, s.top_logprobs)
+    def verify(self, decode: list[Sequence], drafts: dict[int, list[int]], ids: np.ndarray,
+               starts: np.ndarray) -> dict[int, np.ndarray]:
+        """Feed each drafting row's pending token (`ids[row]`, at `starts[row]`) and its drafts in a call of its own,
+        which writes their keys and values in place. Returns row -> the logits of every position fed
+        [k + 1, vocab]. The row's length then advances by the drafts kept, plus one (the output step)."""
+        return {i: self.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i])) for i, d in drafts.items()}
 
 
 def _median_seconds(call, rounds: int = CALIBRATION_ROUNDS) -> float:

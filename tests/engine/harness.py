@@ -15,7 +15,7 @@ import numpy as np
 
 from service.engine.core import Engine
 from service.engine.errors import EngineError
-from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria, TokenEvent
+from service.engine.request import BeamParams, GenerationRequest, SamplingParams, StoppingCriteria, TokenEvent
 
 # ---- building requests ---------------------------------------------------------------------------
 
@@ -30,6 +30,12 @@ def sampled(rid: str, prompt: list[int], max_new: int = 16, seed: int = 0, n: in
     """A seeded sampling request that reports logprobs."""
     return GenerationRequest(rid, list(prompt), SamplingParams(seed=seed, **sampling),
                              StoppingCriteria(max_new_tokens=max_new, **(stopping or {})), n=n, logprobs=True)
+
+
+def beam(rid: str, prompt: list[int], width: int = 3, n: int = 2, max_new: int = 12) -> GenerationRequest:
+    """A beam search request: the `n` best of `width` beams."""
+    return GenerationRequest(rid, list(prompt), SamplingParams(temperature=0.0), StoppingCriteria(max_new_tokens=max_new),
+                             n=n, beam=BeamParams(width))
 
 
 def random_prompt(rng: np.random.Generator, length: int, vocab: int = 300) -> list[int]:
@@ -74,9 +80,9 @@ def drive(engine: Engine, requests: Iterable[GenerationRequest] = (), arrivals: 
     arrivals or a hook, this is `Engine.generate`."""
     run = Run()
     if not arrivals and before_step is None:
-        start = engine.steps
+        start = engine.counters.steps
         engine.generate(requests, on_outputs=run.collect)
-        run.steps = engine.steps - start
+        run.steps = engine.counters.steps - start
         check_idle(engine)
         return run
     for r in requests:

@@ -17,7 +17,17 @@ import pytest
 from service.engine.async_engine import AsyncEngine
 from service.engine.errors import Cancelled, DeadlineExceeded, EngineStopped, InvalidRequest, ModelError, Overloaded
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
-from tests.engine.harness import TIMEOUT, Gate, check_idle, drive, greedy, random_prompt, sampled
+from tests.engine.harness import (
+    TIMEOUT,
+    Gate,
+    beam,
+    check_idle,
+    drive,
+    eager_speculation,
+    greedy,
+    random_prompt,
+    sampled,
+)
 
 
 def run_async(coro, timeout: float = TIMEOUT):
@@ -443,3 +453,53 @@ def test_submit_and_cancel_hammered_from_many_tasks(make_engine):
     assert "accepted" in outcomes and "refused" in outcomes and len(outcomes) == 64 * 6
     check_idle(ae.engine)
     assert (stats.running_requests, stats.waiting_requests, stats.kv_free_slots) == (0, 0, stats.kv_slots)
+
+
+def mixed_load() -> tuple[list[GenerationRequest], list[GenerationRequest]]:
+    """Two waves of requests of every kind the sample phase tells apart: beam searches, prompts scored
+    (`prompt_logprobs`), and greedy and seeded rows whose repetitive prompts give speculation drafts."""
+    rng = np.random.default_rng(12)
+
+    def repetitive(length: int = 28) -> list[int]:
+        return (random_prompt(rng, 6) * 5)[:length]
+
+    def scored(rid: str) -> GenerationRequest:
+        r = greedy(rid, repetitive(), 20)
+        r.prompt_logprobs = 2
+        return r
+    first = [beam("b0", repetitive(), width=3, n=2, max_new=14), greedy("g0", repetitive(), 24), scored("p0")]
+    second = [beam("b1", repetitive(), width=2, n=1, max_new=12), sampled("s0", repetitive(), 20, seed=7),
+              scored("p1"), greedy("g1", repetitive(), 24)]
+    return first, second
+
+
+def test_beams_and_scored_prompts_run_beside_speculating_requests(make_engine):
+    """Under load, with speculation on (and taken whenever a row has drafts), beam searches and scored prompts
+    arrive while other requests decode: none fails, the engine stays healthy, and every request gives what
+    the engine gives with speculation off."""
+    first, second = mixed_load()
+    want = drive(make_engine(), first + second)
+
+    async def main():
+        engine = make_engine(speculative="ngram", speculative_tokens=4)
+        eager_speculation(engine)
+        engine.warm_up()
+        ae = AsyncEngine(engine.config, engine)
+        ae.start()
+        streams = [ae.submit(r, whole=r.request_id == "p0") for r in first]
+        await until(lambda: ae.stats().generated_tokens > 4, what="the first wave decoding")
+        streams += [ae.submit(r, whole=r.request_id == "b1") for r in second]
+        results = await asyncio.gather(*(consume(s) for s in streams))
+        stats = ae.stats()
+        await asyncio.wait_for(ae.shutdown(), 10)
+        return results, stats
+
+    results, stats = run_async(main())
+    for r, (events, error) in zip(first + second, results, strict=True):
+        assert error is None, (r.request_id, error)
+        for i in range(r.n):
+            mine = [e for e in events if e.index == i]
+            assert [e.token_id for e in mine] == want.tokens(r.request_id, i), (r.request_id, i)
+            assert mine[0].prompt_logprobs == want.events[(r.request_id, i)][0].prompt_logprobs
+            assert mine[-1].beam_score == want.events[(r.request_id, i)][-1].beam_score
+    assert stats.speculation.draft_tokens > 0 and stats.running_requests == 0 and stats.kv_free_slots == stats.kv_slots

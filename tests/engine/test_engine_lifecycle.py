@@ -1,4 +1,4 @@
-"""Requests that end early: aborted, expired, refused, or hit by a model fault.
+"""Requests that end early: aborted, expired, refused, or hit by a fault in a model call or in choosing their tokens.
 
 Each frees its KV slots in the step it ends, and the other requests' tokens are unchanged.
 """
@@ -11,8 +11,18 @@ import numpy as np
 import pytest
 
 from service.engine.errors import Cancelled, DeadlineExceeded, InvalidRequest, ModelError
-from service.engine.request import GenerationRequest
-from tests.engine.harness import Run, check_idle, drive, greedy, random_prompt, run_alone, sampled
+from service.engine.request import Constraint, GenerationRequest, SamplingParams, StoppingCriteria
+from tests.engine.harness import (
+    Run,
+    beam,
+    check_idle,
+    drive,
+    eager_speculation,
+    greedy,
+    random_prompt,
+    run_alone,
+    sampled,
+)
 
 
 def workload(rng_seed: int = 0) -> list[GenerationRequest]:
@@ -280,3 +290,88 @@ def test_generate_runs_requests_to_the_end_and_returns_them_in_order(make_engine
     assert len(seen) == 5 + 3 + 1  # every output, the error included
     assert done[0].token_ids() == drive(make_engine(), [greedy("a", [1, 2, 3], 5, ignore_eos=True)]).tokens("a")
     check_idle(engine)
+
+
+# ---- a fault in one request's sample phase -------------------------------------------------------
+
+
+class Faulty:
+    """Stands in for `target`, passing every attribute through, except that reading `name` raises from its
+    `after + 1`-th time on: a bug that strikes one request's sampling part-way through."""
+
+    def __init__(self, target, name: str, after: int):
+        self._target, self._name, self._after, self._reads = target, name, after, 0
+
+    def __getattr__(self, attr: str):
+        if attr == self._name:
+            self._reads += 1
+            if self._reads > self._after:
+                raise RuntimeError("injected sampling fault")
+        return getattr(self._target, attr)
+
+
+def neighbours(rng: np.random.Generator) -> list[GenerationRequest]:
+    """Requests of every kind that must finish as they do alone: greedy, seeded sampled (penalised too, so it
+    shares the sampler's penalty pass with the faulty row), a beam search, and a constrained one."""
+    regex = Constraint("regex", "[a-z ]{4,30}")
+    return [greedy("g", random_prompt(rng, 7), 14, ignore_eos=True),
+            sampled("s", random_prompt(rng, 5), 14, seed=3, temperature=0.9, stopping=dict(ignore_eos=True)),
+            sampled("p", random_prompt(rng, 6), 14, seed=4, temperature=0.9, frequency_penalty=0.5,
+                    stopping=dict(ignore_eos=True)),
+            beam("b", random_prompt(rng, 6), width=3, n=2, max_new=10),
+            GenerationRequest("c", random_prompt(rng, 4), SamplingParams(seed=5), StoppingCriteria(max_new_tokens=14),
+                              constraint=regex, logprobs=True)]
+
+
+def faulty(kind: str, engine, rng: np.random.Generator):
+    """A request whose sampling fails at its third step: its beam search's step, its penalties' parameters, or
+    its grammar's mask."""
+    if kind == "beam":
+        state = engine.new_request(beam("bad", random_prompt(rng, 5), width=2, n=1, max_new=10))
+        state.beam = Faulty(state.beam, "step", 2)
+    elif kind == "penalty":
+        state = engine.new_request(sampled("bad", (random_prompt(rng, 4) * 6)[:20], 14, seed=9, temperature=0.9,
+                                           repetition_penalty=1.2, stopping=dict(ignore_eos=True)))
+        state.seqs[0].sampling.params = Faulty(state.seqs[0].sampling.params, "repetition_penalty", 2)
+    else:
+        state = engine.new_request(GenerationRequest("bad", random_prompt(rng, 5), SamplingParams(seed=8),
+                                                     StoppingCriteria(max_new_tokens=14),
+                                                     constraint=Constraint("regex", "[a-z]{4,30}")))
+        state.seqs[0].matcher = Faulty(state.seqs[0].matcher, "unsafe_compute_mask_ptr", 2)
+    return state
+
+
+def _made(run: Run, rid: str, index: int) -> list[tuple]:
+    return [(e.token_id, e.logprob, e.text, e.finish_reason, e.beam_score) for e in run.events[(rid, index)]]
+
+
+@pytest.mark.parametrize(("kind", "speculative"), [("beam", False), ("penalty", False), ("grammar", False),
+                                                   ("penalty", True)])
+def test_a_fault_in_one_requests_sampling_fails_that_request_alone(make_engine, kind, speculative):
+    """The faulty request ends with ModelError in the step its sampling fails; the requests decoding beside it
+    (in the same batch of the sampler, and the same model call) finish with exactly the events they give alone."""
+    config = dict(speculative="ngram", speculative_tokens=3) if speculative else {}
+
+    def engine_of():
+        engine = make_engine(**config)
+        if speculative:
+            eager_speculation(engine)
+            engine.warm_up()
+        return engine
+    engine = engine_of()
+    try:
+        engine.grammars.tokenizer()
+    except InvalidRequest:
+        pytest.skip("this bundle's tokenizer cannot be read by llguidance")
+    rng = np.random.default_rng(11)
+    state = faulty(kind, engine, rng)
+    others = neighbours(rng)
+    engine.add(state)
+    run = drive(engine, others)
+    assert {rid: type(e) for rid, e in run.errors.items()} == {"bad": ModelError}
+    assert "injected sampling fault" in run.errors["bad"].detail
+    assert all(e.finish_reason is None for events in [run.events[("bad", 0)]] for e in events)
+    for r in others:
+        alone = drive(engine_of(), [r])
+        for index in range(r.n):
+            assert _made(run, r.request_id, index) == _made(alone, r.request_id, index), (r.request_id, index)

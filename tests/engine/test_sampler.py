@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from service.engine.request import SamplingParams
-from service.engine.sampler import SamplingState, apply_penalties, sample
+from service.engine.sampler import SequenceSampling, apply_penalties, sample
 
 V = 12
 
 
 def state(prompt=(), seed: int = 0, index: int = 0, vocab: int = V, suppress=None, min_tokens: int = 0,
-          **params) -> SamplingState:
-    return SamplingState.create(SamplingParams(**params), list(prompt), vocab, seed, index,
+          **params) -> SequenceSampling:
+    return SequenceSampling.create(SamplingParams(**params), list(prompt), vocab, seed, index,
                                 suppress=np.empty(0, dtype=np.int64) if suppress is None else suppress,
                                 min_tokens=min_tokens)
 
@@ -58,7 +58,7 @@ def draw_many(row: np.ndarray, n: int, vocab: int = V, **params) -> np.ndarray:
     logits = np.repeat(row[None].astype(np.float32), n, axis=0)
     rng = np.random.default_rng(12345)
     p = SamplingParams(**params)
-    return sample(logits, [SamplingState(p, rng, vocab) for _ in range(n)]).tokens
+    return sample(logits, [SequenceSampling(p, rng, vocab) for _ in range(n)]).tokens
 
 
 def frequencies(tokens: np.ndarray) -> np.ndarray:
@@ -225,7 +225,7 @@ def test_suppress_masks_tokens():
     draws = draw_many(np.array([5.0, 4.0, 3.0, -1.0]), 2000, vocab=4, temperature=3.0)
     assert set(draws.tolist()) == {0, 1, 2, 3}
     rng = np.random.default_rng(1)
-    sts = [SamplingState(SamplingParams(temperature=3.0), rng, 4, suppress=np.array([0, 3]), min_tokens=1)
+    sts = [SequenceSampling(SamplingParams(temperature=3.0), rng, 4, suppress=np.array([0, 3]), min_tokens=1)
            for _ in range(2000)]
     out = sample(np.repeat(row, 2000, axis=0), sts)
     assert set(out.tokens.tolist()) == {1, 2}

@@ -59,7 +59,7 @@ def test_new_sources_join_the_decode_call_and_change_nothing(make_s2s):
     def run(merge: bool) -> tuple[Run, int]:
         engine = make_s2s()
         if not merge:
-            engine._joins_decode = lambda *_: False
+            engine.run_step._joins_decode = lambda *_: False
         prefills = 0
         prefill_batch = engine.runner.prefill_batch
 

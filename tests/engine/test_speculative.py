@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from service.engine.async_engine import AsyncEngine
+from service.engine.counters import SpeculationStats
 from service.engine.request import Constraint, GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.sampler import SamplingState
+from service.engine.sampler import SequenceSampling
 from service.engine.speculative import NgramIndex, Speculation, accept, expected_tokens
-from service.engine.speculative_step import SpeculationStats
-from tests.engine.harness import drive, eager_speculation, greedy, random_prompt, sampled
+from tests.engine.harness import beam, drive, eager_speculation, greedy, random_prompt, sampled
 
 # ---- the proposer and the rule ---------------------------------------------------------------------------
 
@@ -45,8 +45,8 @@ def test_expected_tokens_counts_the_drafts_kept_in_a_row_and_one_more():
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
 
 
-def _state(temperature: float = 1.0, seed: int = 0, vocab: int = 8, **params) -> SamplingState:
-    return SamplingState.create(SamplingParams(temperature=temperature, **params), [1], vocab, seed)
+def _state(temperature: float = 1.0, seed: int = 0, vocab: int = 8, **params) -> SequenceSampling:
+    return SequenceSampling.create(SamplingParams(temperature=temperature, **params), [1], vocab, seed)
 
 
 def test_greedy_keeps_drafts_while_they_are_the_argmax_then_adds_the_targets_token():
@@ -81,25 +81,20 @@ def chi2_two_samples(a: np.ndarray, b: np.ndarray) -> float:
     return chi2_sf(stat, int(keep.sum()) - 1)
 
 
-@pytest.mark.parametrize("draft", ["lookup", "model"])
-def test_sampled_tokens_follow_the_targets_distribution(draft):
+def test_sampled_tokens_follow_the_targets_distribution():
     """Many draws of a row's first kept token (and of the token after a kept draft) against direct draws
-    from the target's distribution: a chi-square test cannot tell them apart. A lookup draft is fixed (a
-    certain proposal); a model's drafts are drawn from its own distributions q."""
+    from the target's distribution: a chi-square test cannot tell them apart. A lookup draft is certain (a
+    likely but not the likeliest token, then any)."""
     rng = np.random.default_rng(7)
     logits = rng.normal(0, 1.5, (3, 8)).astype(np.float32)
     p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    q = rng.dirichlet(np.ones(8), size=2).astype(np.float32) if draft == "model" else None
     draws = 40_000
     first = np.zeros(8, dtype=int)
     second = np.zeros(8, dtype=int)
     state = _state(seed=1)
+    drafts = [int(np.argsort(p[0])[-2]), 4]
     for _ in range(draws):
-        if q is None:
-            drafts = [int(np.argsort(p[0])[-2]), 4]  # a likely but not the likeliest token, then any
-        else:
-            drafts = [int(rng.choice(8, p=q[0] / q[0].sum())), int(rng.choice(8, p=q[1] / q[1].sum()))]
-        v = accept(logits, drafts, state, draft_probs=q)
+        v = accept(logits, drafts, state)
         first[v.tokens[0]] += 1
         if v.kept >= 1:
             second[v.tokens[1]] += 1
@@ -155,7 +150,7 @@ def test_greedy_output_is_the_same_tokens_alone_and_batched(pair):
         for i in range(len(batch)):
             assert on.tokens(f"r{i}") == off.tokens(f"r{i}")
             assert _logprobs(on, f"r{i}") == pytest.approx(_logprobs(off, f"r{i}"), abs=1e-4)
-    assert pair[1].speculation.proposed > 0 and pair[1].speculation.accepted > 0  # it did speculate
+    assert pair[1].counters.draft_tokens > 0 and pair[1].counters.accepted_tokens > 0  # it did speculate
 
 
 def test_each_sequence_reports_its_draft_counts_and_they_sum_to_the_engines(pair):
@@ -259,7 +254,7 @@ def test_a_seeded_sampled_request_repeats_itself_and_gives_the_tokens_of_decodin
     plain = drive(off, [sampled("s", prompt, max_new=30, seed=5), sampled("f", prompt, max_new=30, seed=6, top_k=20,
                                                                            top_p=0.9)])
     assert first.tokens("s") == plain.tokens("s") and first.tokens("f") == plain.tokens("f")
-    assert on.speculation.accepted > 0
+    assert on.counters.accepted_tokens > 0
     out = sampled("o", prompt, max_new=30, seed=5)
     out.speculative = False
     plain = drive(pair[0], [sampled("o", prompt, max_new=30, seed=5)])
@@ -279,6 +274,51 @@ def test_sampled_output_keeps_the_distribution_of_decoding_without_speculation(p
     assert chi2_two_samples(*counts) > 1e-4
 
 
+def _beams(run, rid: str, n: int) -> list[tuple[list[int], float]]:
+    return [(run.tokens(rid, j), run.events[(rid, j)][-1].beam_score) for j in range(n)]
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_beam_search_never_speculates_and_its_hypotheses_are_those_of_decoding_without_it(pair, alone):
+    """A beam takes the token its search chooses, never a draft: alone, and beside greedy requests that speculate,
+    a beam search request's hypotheses and scores are the same bits with speculation on or off."""
+    rng = np.random.default_rng(8)
+    prompts = [repetitive_prompt(rng, 30) for _ in range(4)]
+
+    def requests():
+        rs = [beam("b", prompts[0], width=3, n=3, max_new=20), greedy("g", prompts[1], max_new=30),
+              beam("b2", prompts[2], width=2, n=1, max_new=16), greedy("h", prompts[3], max_new=30)]
+        return rs[:1] if alone else rs
+    off, on = _runs(pair, requests)
+    assert not on.errors and not off.errors
+    assert _beams(on, "b", 3) == _beams(off, "b", 3)
+    assert all(len(on.tokens("b", j)) <= 20 for j in range(3))
+    assert all(e.draft_tokens == 0 for j in range(3) for e in on.events[("b", j)])
+    if not alone:
+        assert _beams(on, "b2", 1) == _beams(off, "b2", 1)
+        for rid in ("g", "h"):
+            assert on.tokens(rid) == off.tokens(rid)
+        assert on.events[("g", 0)][-1].draft_tokens > 0  # the greedy rows beside the beams did speculate
+
+
+def test_prompt_logprobs_are_the_same_with_speculation_on_and_the_request_still_speculates(pair):
+    rng = np.random.default_rng(9)
+    prompts = [repetitive_prompt(rng, 30) for _ in range(2)]
+
+    def requests():
+        scored = GenerationRequest("p", prompts[0], SamplingParams(temperature=0.0), StoppingCriteria(max_new_tokens=30),
+                                   logprobs=True, prompt_logprobs=3)
+        return [scored, greedy("g", prompts[1], max_new=30)]
+    off, on = _runs(pair, requests)
+    assert not on.errors and not off.errors
+    first = on.events[("p", 0)][0].prompt_logprobs
+    assert first is not None and len(first) == len(prompts[0])
+    assert first == off.events[("p", 0)][0].prompt_logprobs  # the prefill is the same call: the same bits
+    assert all(e.prompt_logprobs is None for e in on.events[("p", 0)][1:])
+    assert on.tokens("p") == off.tokens("p") and on.tokens("g") == off.tokens("g")
+    assert on.events[("p", 0)][-1].draft_tokens > 0
+
+
 def test_the_policy_speculates_where_the_call_times_and_the_measured_rates_say_it_pays(make_engine):
     engine = make_engine(speculative="ngram", speculative_tokens=4)
     engine.warm_up()
@@ -290,11 +330,11 @@ def test_the_policy_speculates_where_the_call_times_and_the_measured_rates_say_i
     spec.decode_seconds = {1: 1.0, 2: 1.0}
     spec.verify_seconds = np.array([0.0, 1.1, 1.2, 1.3, 1.4])
     decode[0].speculation = Speculation(0.9, NgramIndex())
-    assert len(spec.plan(decode)[0]) >= 1  # 4.1 tokens expected from a call of 1.4: worth it
+    assert len(spec.plan(decode).drafts[0]) >= 1  # 4.1 tokens expected from a call of 1.4: worth it
     decode[0].speculation.acceptance = 0.05
-    assert spec.plan(decode) == {}  # 1.05 tokens from a call of 1.1: not
+    assert spec.plan(decode).drafts == {}  # 1.05 tokens from a call of 1.1: not
     decode[0].speculation.acceptance = 0.9
     spec.rates[1] = {"plain": 100.0, "speculative": 50.0}  # but measured, speculating was the slower
-    held = [spec.plan(decode) for _ in range(spec.trial_every)]
+    held = [spec.plan(decode).drafts for _ in range(spec.trial_every)]
     assert all(d == {} for d in held[:-1]) and held[-1]  # it sits out, then tries again
     drive(engine)

@@ -13,7 +13,7 @@ import pytest
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import Constraint, FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
-from tests.engine.harness import greedy, random_prompt
+from tests.engine.harness import beam, greedy, random_prompt
 
 SCHEMA = {
     "type": "object",
@@ -140,3 +140,13 @@ def test_a_tokenizer_without_bytes_per_token_refuses_constraints_and_still_serve
         engine.new_request(constrained("g2p", [5, 6, 7], Constraint("regex", "[A-Z]+"), max_new=4))
     [done] = engine.generate([greedy("plain", [5, 6, 7], 4)])
     assert done.error is None and done.events
+
+
+def test_a_constraint_with_beam_search_is_refused_by_name(make_engine):
+    """Beam search ranks whole hypotheses by the model's log-probabilities; a grammar would mask some beams'
+    tokens and not others, so the pair is refused before it reaches the engine, naming the field."""
+    r = beam("b", [5, 6, 7], width=3, n=1, max_new=8)
+    r.constraint = Constraint("regex", "[a-z]+")
+    with pytest.raises(InvalidRequest) as refused:
+        make_engine().new_request(r)
+    assert refused.value.field == "constraint" and "beam search" in str(refused.value)
