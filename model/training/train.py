@@ -48,7 +48,7 @@ class TrainConfig:
     d_model: int = 256  # residual width
     n_ctx: int = 256  # context length trained on (and the model's maximum)
     dropout: float = 0.0  # embedding and residual dropout (0.1 cost 25% of throughput; see docs/model.md)
-    attn_dropout: float = 0.0  # attention-weight dropout; off, as it costs another ~25% of throughput
+    attn_dropout: float = 0.0  # attention-weight dropout; off, as it costs throughput (docs/model.md)
     batch_size: int = 16  # sequences per optimiser step
     max_steps: int = 1500  # optimiser steps; the cosine schedule ends here
     lr: float = 2e-3  # peak learning rate (Muon scales it to match AdamW's update size)
@@ -61,7 +61,7 @@ class TrainConfig:
     eval_windows: int = 64  # validation windows used by the periodic eval (the final one uses all)
     seed: int = 1337  # seeds the init, the batch sampler and dropout
     bf16: bool = True  # bf16 autocast for matmuls (fp32 master weights); ignored without CPU support
-    compile: bool = True  # torch.compile the training step (needs a C++ compiler; ~40 s to warm up)
+    compile: bool = True  # torch.compile the training step (needs a C++ compiler; compiling delays the first step)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     stop_at: int = 0  # stop early after this step (0 = max_steps); --resume carries on from there
 

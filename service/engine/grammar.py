@@ -77,7 +77,7 @@ class Grammars:
         self._tokenizer_json = tokenizer.hf.to_str()
         self.vocab_size = vocab_size  # logits width: the mask has a bit for each
         self._eos = sorted(eos_ids)
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s at 150k tokens)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built at warm-up: it reads every token's bytes
         self._unusable: str | None = None  # why llguidance cannot read the tokenizer, once it has tried
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._lock = threading.Lock()

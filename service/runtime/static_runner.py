@@ -143,8 +143,8 @@ class StaticRunner(GraphRunner):
     def decode_every_batch_size(self, max_rows: int) -> None:
         """Decode once at every batch size up to `max_rows`, into position 0 of each slot.
 
-        onnxruntime's first run at a new batch size costs 40-80 ms on the CPU (allocations sized to
-        it); without this, requests pay for it while the batch grows. Call it before any sequence
+        onnxruntime's first run at a new batch size allocates buffers sized to it; without this,
+        requests pay for those allocations while the batch grows (docs/engine.md). Call it before any sequence
         holds a slot: it writes position 0 of slots that a prefill then overwrites."""
         for n in range(1, max_rows + 1):
             self.decode(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
