@@ -14,17 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.runtime.probes import (
-    INVARIANCE_ROWS,
-    INVARIANCE_STEPS,
-    PROBE_ROWS,
-    PROBE_SEED,
-    PROBE_TOKENS,
-    Agreement,
-    Invariance,
-    Probes,
-    sample_tokens,
-)
+from service.runtime import probes
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 
 SOURCE_LENGTHS = (1, 3, 5, 8, 11, 14, 17, 20)  # one per probe row, cut to the source positions a slot holds
@@ -36,8 +26,8 @@ class Probe:
     targets: np.ndarray  # [rows, tokens]: the decoder start token, then what the reference sampled
 
 
-def probe(reference: Seq2SeqRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
-          seed: int = PROBE_SEED) -> Probe:
+def probe(reference: Seq2SeqRunner, rows: int = probes.PROBE_ROWS, tokens: int = probes.PROBE_TOKENS,
+          seed: int = probes.PROBE_SEED) -> Probe:
     m = reference.manifest.model
     tokens = min(tokens, m.n_ctx)
     sampleable = min(reference.tokenizer.vocab_size, m.vocab_size)
@@ -49,7 +39,7 @@ def probe(reference: Seq2SeqRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_
     with reference.scratch_cache(rows, tokens):
         logits = reference.prefill_batch(0, sources)
         for t in range(1, tokens):
-            targets[:, t] = sample_tokens(logits[:, :sampleable], rng)
+            targets[:, t] = probes.sample_tokens(logits[:, :sampleable], rng)
             if t + 1 < tokens:
                 logits = reference.decode(targets[:, t], np.full(rows, t))
     return Probe(sources, targets)
@@ -66,17 +56,18 @@ def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.n
         return out
 
 
-def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> Agreement:
-    return Agreement.of(served_logits(candidate, p.sources, p.targets), served_logits(reference, p.sources, p.targets))
+def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> probes.Agreement:
+    return probes.Agreement.of(served_logits(candidate, p.sources, p.targets),
+                               served_logits(reference, p.sources, p.targets))
 
 
-def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> Invariance:
-    steps = min(INVARIANCE_STEPS + 1, p.targets.shape[1])
+def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> probes.Invariance:
+    steps = min(probes.INVARIANCE_STEPS + 1, p.targets.shape[1])
     targets = p.targets[:, :steps]
     together = served_logits(runner, p.sources, targets)
-    probed = sorted({r % len(p.sources) for r in INVARIANCE_ROWS})
+    probed = sorted({r % len(p.sources) for r in probes.INVARIANCE_ROWS})
     alone = np.stack([served_logits(runner, [p.sources[r]], targets[r:r + 1])[0] for r in probed])
-    return Invariance.of(alone, together[probed], len(p.sources))
+    return probes.Invariance.of(alone, together[probed], len(p.sources))
 
 
-SEQ2SEQ_PROBES = Probes(probe, agreement, batch_invariance)
+SEQ2SEQ_PROBES = probes.Probes(probe, agreement, batch_invariance)
