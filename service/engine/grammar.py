@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import Constraint
@@ -74,7 +73,7 @@ class Grammar:
 
 class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]):
-        self._tokenizer_json = tokenizer.hf.to_str()
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # logits width: the mask has a bit for each
         self._eos = sorted(eos_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built at warm-up: it reads every token's bytes
@@ -89,7 +88,7 @@ class Grammars:
         with self._lock:
             if self._ll_tokenizer is None and self._unusable is None:
                 try:
-                    self._ll_tokenizer = _vocabulary(self._tokenizer_json, self.vocab_size, self._eos)
+                    self._ll_tokenizer = _vocabulary(self._tokenizer, self.vocab_size, self._eos)
                 except ValueError as e:
                     self._unusable = _short(e)
             if self._ll_tokenizer is None:
@@ -137,7 +136,7 @@ class _TextTokenizer:
     """The vocabulary as llguidance's `TokenizerWrapper` reads it: every id's bytes, the special ids, and a
     tokenize for the text a grammar forces that never yields a special token."""
 
-    def __init__(self, read: llguidance.LLTokenizer, tokens: list[bytes], special: set[int], eos: Sequence[int]):
+    def __init__(self, read: llguidance.LLTokenizer, tokens: list[bytes], special: frozenset[int], eos: Sequence[int]):
         self._read = read
         self._special = special
         self.tokens = tokens
@@ -153,7 +152,7 @@ class _TextTokenizer:
         return self._read.greedy_tokenize(text)
 
 
-def _vocabulary(tokenizer_json: str, vocab_size: int, eos: Sequence[int]) -> llguidance.LLTokenizer:
+def _vocabulary(tokenizer: Tokenizer, vocab_size: int, eos: Sequence[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the vocabulary, with the same tokens allowed by the mask and by the matcher.
 
     Read from tokenizer.json alone, llguidance takes every added token for a special one, a token no grammar
@@ -162,10 +161,9 @@ def _vocabulary(tokenizer_json: str, vocab_size: int, eos: Sequence[int]) -> llg
     special is the text it stands for, as transformers decodes it; a special token, and every id past the
     tokenizer's (a padded vocabulary), is special, and so never allowed inside a constraint (EOS only where
     the grammar may end)."""
-    read = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size)  # bytes per token, for any layout
-    hf = HFTokenizer.from_str(tokenizer_json)
-    known = hf.get_vocab_size(with_added_tokens=True)
-    special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special} | set(range(known, vocab_size))
+    read = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=vocab_size)  # bytes per token, for any layout
+    known = tokenizer.vocab_size
+    special = tokenizer.special_ids | set(range(known, vocab_size))
     tokens = [b"" if i >= known else read.decode_bytes([i]) for i in range(vocab_size)]
     wrapper = llguidance.TokenizerWrapper(_TextTokenizer(read, tokens, special, eos))
     return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos) or None)

@@ -79,10 +79,8 @@ class OutputStep:
             return []
         try:
             return self.beams.apply(choice, now)
-        except Exception as e:  # a bug in one request's beams: never the step's, nor another request's
-            log.error("request %s: taking the next beams failed", choice.state.id, exc_info=e)
-            return self.end(choice.state, ModelError("the server failed producing this request's output",
-                                                     detail=f"{type(e).__name__}: {e}"))
+        except Exception as e:
+            return self._fault(choice.state, e, "taking the next beams")
 
     def update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         """Append `token` to `seq`, emit it, and either feed it to the next decode or end the sequence. A
@@ -92,10 +90,15 @@ class OutputStep:
             return []
         try:
             return self._update(seq, token, logprob, top, now)
-        except Exception as e:  # a bug in the output of one request: never the step's, nor another request's
-            log.error("request %s: the output step failed on token %d", seq.request_state.id, token, exc_info=e)
-            return self.end(seq.request_state, ModelError("the server failed producing this request's output",
-                                                          detail=f"{type(e).__name__}: {e}"))
+        except Exception as e:
+            return self._fault(seq.request_state, e, f"the output step on token {token}")
+
+    def _fault(self, state: RequestState, error: Exception, what: str) -> list[Output]:
+        """A bug in one request's output: that request ends (the details logged with its id), never the step
+        nor another request."""
+        log.error("request %s: %s failed", state.id, what, exc_info=error)
+        return self.end(state, ModelError("the server failed producing this request's output",
+                                          detail=f"{what}: {type(error).__name__}: {error}"))
 
     def _update(self, seq: Sequence, token: int, logprob: float | None, top: list | None, now: float) -> list[Output]:
         state = seq.request_state

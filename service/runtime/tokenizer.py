@@ -67,7 +67,7 @@ class Tokenizer:
         piece = self.hf.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id in self._special_ids:
+        if token_id in self.special_ids:
             return piece.encode()
         if self._decoding == "byte-level":
             table = _unicode_to_byte()
@@ -79,7 +79,8 @@ class Tokenizer:
         return self.decode([token_id]).encode()
 
     @functools.cached_property
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (`<|im_end|>`); an added token that is not is text."""
         return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
 
     @functools.cached_property
