@@ -92,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes,
                                    encoder_decoder=self.encoder_decoder, lookahead=lookahead)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
+        self.block_policy = self.scheduler.blocks  # fixed figures: new_request reads it on any thread
         self.grammars = Grammars(self.tokenizer, m.vocab_size, sorted(self.eos_ids))  # structured output
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
@@ -139,7 +140,7 @@ class Engine:
         """Validate a request and build its state (`RequestBuilder.build`): pure, so any thread may call it;
         `add` hands the state to the engine."""
         state = self.builder.build(request, grammar)
-        too_big = self.scheduler.fits(state)
+        too_big = self.block_policy.refusal(state)
         if too_big is not None:
             raise InvalidRequest("max_new_tokens" if state.request.slots == 1 else "n", too_big)
         return state

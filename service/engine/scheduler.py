@@ -47,6 +47,45 @@ from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import RequestState, Sequence, Status
 
 
+@dataclass(frozen=True)
+class BlockPolicy:
+    """What each request gets of the KV cache's blocks, from the cache's fixed figures alone (so any thread
+    may ask: `Engine.new_request` refuses a request that could never fit before it is queued)."""
+
+    block_tokens: int
+    context: int  # positions per sequence
+    n_blocks: int  # the cache's blocks
+    encoder_decoder: bool
+    lookahead: int  # positions a decode row may write past its fed token (speculative drafts)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-min(positions, self.context) // self.block_tokens)
+
+    def preemptible(self, state: RequestState) -> bool:
+        """Whether a request can be preempted and recomputed: one sampled sequence of a decoder, not scoring
+        its prompt (whose logprobs are recorded as its chunks run)."""
+        return (state.request.slots == 1 and state.beam is None and not self.encoder_decoder
+                and state.prompt_logprobs is None)
+
+    def each(self, state: RequestState) -> int:
+        """The blocks each of a request's sequences gets at admission: a preemptible one's prefill (and the
+        padding position a prefill call may write past it), any other's whole completion."""
+        if self.preemptible(state):
+            return self.blocks_for(len(state.seqs[0].prefill_tokens) + 1)
+        written = 1 if self.encoder_decoder else len(state.prompt)  # an encoder-decoder's cache holds its target
+        return self.blocks_for(written + state.request.stopping.max_new_tokens + 1 + self.lookahead)
+
+    def refusal(self, state: RequestState) -> str | None:
+        """Why the KV cache could never hold `state` (None: it can, once the others leave)."""
+        n = state.request.slots
+        need = n * self.each(state)
+        if need > self.n_blocks:
+            return (f"its {n} sequences of up to {need // n * self.block_tokens} positions need "
+                    f"{need * self.block_tokens} positions of KV cache; the server holds "
+                    f"{self.n_blocks * self.block_tokens}")
+        return None
+
+
 @dataclass
 class PrefillWork:
     """Prompts (or one chunk of a long prompt) to write into the cache: sequence i's `chunks[i]`
@@ -93,6 +132,7 @@ class Scheduler:
         if prefixes is not None:
             prefixes.share(kv)
         self.lookahead = lookahead  # positions a decode row may write past its fed token (speculative drafts)
+        self.blocks = BlockPolicy(kv.block_tokens, kv.shape.max_seq, kv.n_blocks, encoder_decoder, lookahead)
         self.preemptions = 0  # since start
         self._admissions = 0
         self.max_running = min(max_running, kv.n_slots)
@@ -128,27 +168,10 @@ class Scheduler:
     # ---- KV blocks: admission, growth, preemption ----------------------------------------------
 
     def preemptible(self, state: RequestState) -> bool:
-        """Whether a request can be preempted and recomputed: one sampled sequence of a decoder, not scoring
-        its prompt (whose logprobs are recorded as its chunks run)."""
-        return (state.request.slots == 1 and state.beam is None and not self.encoder_decoder
-                and state.prompt_logprobs is None)
+        return self.blocks.preemptible(state)
 
     def blocks_each(self, state: RequestState) -> int:
-        """The blocks each of a request's sequences gets at admission: a preemptible one's prefill (and the
-        padding position a prefill call may write past it), any other's whole completion."""
-        if self.preemptible(state):
-            return self.kv.blocks_for(len(state.seqs[0].prefill_tokens) + 1)
-        written = 1 if self.encoder_decoder else len(state.prompt)  # an encoder-decoder's cache holds its target
-        return self.kv.blocks_for(written + state.request.stopping.max_new_tokens + 1 + self.lookahead)
-
-    def fits(self, state: RequestState) -> str | None:
-        """Why the KV cache could never hold `state` (None: it can, once the others leave)."""
-        need = state.request.slots * self.blocks_each(state)
-        if need > self.kv.n_blocks:
-            return (f"its {state.request.slots} sequences of up to {need // state.request.slots * self.kv.block_tokens}"
-                    f" positions need {need * self.kv.block_tokens} positions of KV cache; the server holds "
-                    f"{self.kv.n_blocks * self.kv.block_tokens}")
-        return None
+        return self.blocks.each(state)
 
     def _room(self, blocks: int) -> bool:
         """Whether `blocks` are free, after the prefix cache gives back what it must."""
