@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.runtime.memory import lazy_zeros, release_pages
+from service.runtime.memory import release_pages
 from service.runtime.static_runner import CacheShape
 
 BLOCK_TOKENS = 16
@@ -51,8 +51,7 @@ class KVCache:
         self.block_tokens = block_tokens or block_tokens_for(shape)
         self.blocks_per_slot = self.blocks_for(shape.max_seq)
         self.n_blocks = n_slots * self.blocks_per_slot if n_blocks is None else n_blocks  # the budget's blocks
-        dims = (n_slots, shape.n_head, shape.max_seq, shape.d_head)
-        self.buffers = [lazy_zeros(dims, shape.dtype) for _ in range(2 * shape.n_layer)]
+        self.buffers = shape.buffers(n_slots)  # address space; pages are taken as positions are written
         self.slot_state = slot_state or []  # per-slot arrays that move whole with their slot
         assert all(a.shape[0] == n_slots for a in self.slot_state)
         self.lengths = np.zeros(n_slots, dtype=np.int64)  # positions written per slot (= next write position)
