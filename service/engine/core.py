@@ -56,7 +56,7 @@ class EngineStats:
     kv_slots: int  # rows a step may run (each reserves a context of address space)
     kv_free_slots: int
     kv_tokens: int  # positions the KV cache's memory holds, for sequences and the prefix cache
-    kv_free_tokens: int  # of those, neither held by a sequence nor kept by the prefix cache
+    kv_free_tokens: int  # of those, not held by a sequence (the prefix cache's count as free: sequences take them)
     kv_bytes: int  # memory the budget gives the KV cache
     preemptions: int  # sequences preempted (to be recomputed) when the KV cache ran out of blocks, since start
     tokens_per_s: float  # generated tokens per second over the last 10 s
@@ -239,7 +239,7 @@ class Engine:
         return EngineStats(running_requests=c.running_requests, running_sequences=self.scheduler.num_running,
                            waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
                            kv_free_slots=self.kv.free_slots, kv_tokens=self.kv.n_blocks * self.kv.block_tokens,
-                           kv_free_tokens=self.kv.free_tokens, kv_bytes=self.kv.nbytes,
+                           kv_free_tokens=self.kv.reclaimable_tokens, kv_bytes=self.kv.nbytes,
                            preemptions=self.scheduler.preemptions, tokens_per_s=c.tokens_per_s(time.monotonic()),
                            generated_tokens=c.generated_tokens, steps=c.steps,
                            prefix_queried_tokens=p.queried_tokens if p else 0,

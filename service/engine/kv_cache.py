@@ -87,6 +87,11 @@ class KVCache:
     def free_tokens(self) -> int:
         return self.free_blocks * self.block_tokens
 
+    @property
+    def reclaimable_tokens(self) -> int:
+        """Positions a sequence could take: the free blocks and those the prefix cache would give back."""
+        return (self.n_blocks - self.held_total - self.promised) * self.block_tokens
+
     def blocks_for(self, positions: int) -> int:
         return -(-min(positions, self.shape.max_seq) // self.block_tokens)
 

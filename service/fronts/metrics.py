@@ -46,7 +46,7 @@ class Metrics:
         self.requests_running = Gauge("attnserve_requests_running", "Requests holding KV cache slots", registry=r)
         self.requests_waiting = Gauge("attnserve_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_cache_usage = Gauge("attnserve_kv_cache_usage_ratio", "Share of the KV cache's tokens held by "
-                                    "sequences or kept by the prefix cache (0..1)",
+                                    "running sequences (0..1; the prefix cache's blocks count as free)",
                                     registry=r)
         self.generated_tokens = Counter("attnserve_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("attnserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
