@@ -241,7 +241,9 @@ class Scheduler:
                 self.prefixes.count(length, hit)
             if hit and hit.blocks:  # the cached blocks go into the slot; the rest is prefilled like a chunk
                 self.prefixes.load(hit, self.kv, first.slot)
-                first.num_prefilled = state.cached_tokens = hit.tokens
+                first.num_prefilled = hit.tokens
+                if first.resume is None:  # a recomputation's hits are not the prompt's: usage reports the first's
+                    state.cached_tokens = hit.tokens
                 self.chunking = first
                 return self._next_chunk(first, budget)
             if length > budget and not self.encoder_decoder:  # alone, and still too long: chunk it

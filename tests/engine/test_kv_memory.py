@@ -26,10 +26,11 @@ def small_cache(make_engine, contexts: float, **config):
     return make_engine(kv_cache_bytes=int(contexts * per_slot), **config)
 
 
-def test_preempted_requests_finish_with_the_text_they_give_alone(make_engine, engine_model):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempted_requests_finish_with_the_text_they_give_alone(make_engine, engine_model, prefix_caching):
     rng = np.random.default_rng(3)
     reqs = [greedy(f"r{i}", random_prompt(rng, 40), engine_model.n_ctx - 48, ignore_eos=True) for i in range(5)]
-    engine = small_cache(make_engine, 2.5, max_running=8, prefix_caching=False)
+    engine = small_cache(make_engine, 2.5, max_running=8, prefix_caching=prefix_caching)
     assert engine.kv.n_blocks * engine.kv.block_tokens < 5 * (engine_model.n_ctx - 8) * 0.6  # about half of them
     run = drive(engine, reqs, before_step=lambda e, step, run: check_blocks(e))
     assert not run.errors and engine.stats().preemptions > 0
