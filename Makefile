@@ -6,7 +6,7 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization bench-peers bench-llama-cpp bench soak lmeval-venv clean
+.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization real-shapes bench-peers bench-llama-cpp bench soak lmeval-venv clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
@@ -21,6 +21,9 @@ help:
 	@echo "make serve-g2p  serve it: the prompt is a word, the completion its phonemes"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
+	@echo "make real-shapes  random-weight models at real shapes (Qwen2.5 0.5B and 1.5B, a 131k-position Llama), HF"
+	@echo "                checkpoint, model directory and bundle, built once under ~/.cache/attnserve/real-shapes"
+	@echo "                (SHAPES=\"qwen2.5-0.5b llama-131k\" to choose; bench/real_shapes.py)"
 	@echo "make bench      the serving benchmarks: gRPC load, the comparison with the peers, the G2P model against"
 	@echo "                CTranslate2 and transformers (docs/BENCHMARKS.md)"
 	@echo "make soak       10 minutes of mixed load: server memory, throughput and errors over time"
@@ -125,6 +128,10 @@ bench-onnx: install
 bench-quantization: install
 	$(BIN)/attnserve bench quantization
 	$(BIN)/attnserve bench quantization --gpt2-shape
+
+SHAPES ?=
+real-shapes: install
+	$(BIN)/python -m bench.real_shapes build $(SHAPES)
 
 # The peers of `attnserve bench compare`, each in its own virtualenv, never in the runtime dependencies:
 # .venv-peers (transformers + optimum with onnxruntime), .venv-ct2 (CTranslate2 and its converter) and

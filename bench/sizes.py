@@ -184,19 +184,34 @@ def random_model(config, init: Init, seed: int = SEED):
     queries_and_keys = config.d_model + config.kv_heads * config.d_head  # the first rows of qkv_proj
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied head is tok_emb.weight, listed once
-            if name in ("tok_emb.weight", "pos_emb.weight", "lm_head.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * EMBEDDING_NORM / math.sqrt(config.d_model))
-            elif p.dim() == 2:  # a Linear weight, (out, in)
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
-                if name.endswith("qkv_proj.weight"):
-                    p[:queries_and_keys] *= init.qk_gain
-                if name.endswith(("out_proj.weight", "fc_out.weight")):
-                    p *= init.branch_scale
+            kind = ("embedding" if name in ("tok_emb.weight", "pos_emb.weight", "lm_head.weight") else "matrix"
+                    if p.dim() == 2 else "bias" if name.endswith(".bias") else None)
+            if kind:
+                draw_lively_(p, kind, gen, config.d_model,
+                             init.branch_scale if name.endswith(("out_proj.weight", "fc_out.weight")) else 1.0)
+            if name.endswith("qkv_proj.weight"):
+                p[:queries_and_keys] *= init.qk_gain
             if name == "pos_emb.weight":
                 p *= init.position_scale
-            elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
     return model
+
+
+def draw_lively_(p, kind: str, gen, d_model: int, gain: float = 1.0) -> None:
+    """Draw parameter `p` in place as a random size's weights are drawn (the module docstring): `kind`
+    "embedding" (an embedding, or an untied head) N(0, (EMBEDDING_NORM / sqrt(d_model))²), "matrix" (a Linear
+    weight, (out, in)) N(0, 1 / in) × `gain`, "bias" N(0, BIAS_STD²). Norm gains are left as they are."""
+    import torch
+
+    if kind == "embedding":
+        p.copy_(torch.randn(p.shape, generator=gen) * EMBEDDING_NORM / math.sqrt(d_model))
+    elif kind == "matrix":
+        p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        if gain != 1.0:
+            p *= gain
+    elif kind == "bias":
+        p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
+    else:
+        raise ValueError(f"kind must be embedding, matrix or bias, got {kind!r}")
 
 
 def liveliness(model, rows: int = 4, prompt_tokens: int = 16, new_tokens: int = 128, seed: int = SEED) -> Liveliness:

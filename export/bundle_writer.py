@@ -1,4 +1,9 @@
-"""Assemble a bundle directory from a model directory: graphs, tokenizer, manifest, metadata."""
+"""Assemble a bundle directory from a model directory: graphs, tokenizer, manifest, metadata.
+
+Each graph keeps its weights in `<graph file>.data` beside it (`export/external_data.py`): the model's
+weights are held once, as PyTorch loaded them, while the two fp32 graphs are written, and are let go before
+the derived graphs are made from the written ones.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ from pathlib import Path
 
 import onnx
 
+from export.external_data import data_path, load_graph
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, optimize, quantize
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
-from model.gpt import GPT
+from model.config import GPTConfig
 from service.runtime.bundle import (
     TOKENIZER_EXTRAS,
     GraphSpec,
@@ -84,9 +90,8 @@ def graph_spec(variant: str, n_layer: int) -> GraphSpec:
                      description=DESCRIPTIONS[variant], inputs=inputs, outputs=outputs)
 
 
-def make_manifest(model: GPT, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,
+def make_manifest(c: GPTConfig, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,
                   variants: list[str], default: str) -> Manifest:
-    c = model.config
     spec = ModelSpec(name=name, vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer, n_head=c.n_head,
                      d_model=c.d_model, d_head=c.d_head, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
                      n_kv_head=c.n_kv_head, eos_token_ids=c.eos_token_ids,
@@ -96,8 +101,9 @@ def make_manifest(model: GPT, tokenizer_special: dict[str, int], name: str, opse
 
 
 def stamp_metadata(path: Path, manifest: Manifest) -> None:
-    """Copy the essentials into the ONNX file's metadata_props, so a lone .onnx still says what it is."""
-    model = onnx.load(str(path))
+    """Copy the essentials into the ONNX file's metadata_props, so a lone .onnx still says what it is (its
+    weights, in its data file, are not read)."""
+    model = load_graph(path)
     props = {"attnserve.model": manifest.model.model_dump_json(),
              "attnserve.special_tokens": json.dumps(manifest.special_tokens),
              "attnserve.source_weights_sha256": manifest.source_weights_sha256}
@@ -133,9 +139,11 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
                          "a bundle keeps a standard graph")
     model, tokenizer = load_model_dir(model_dir)
+    config = model.config
     out.mkdir(parents=True, exist_ok=True)
     static = export_static_cache_decoder(model, out / GRAPH_FILES["static"])
     fp32 = export_decoder(model, out / GRAPH_FILES["fp32"], opset)
+    del model  # the derived graphs are made from the written ones
     variants = ["static", "fp32"]
     if int8:
         quantize(static, out / GRAPH_FILES["static-int8"], INT8)
@@ -147,7 +155,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         quantize(static, out / GRAPH_FILES["static-int4"], INT4)
         variants.append("static-int4")
     if optimized:
-        optimize(fp32, out / GRAPH_FILES["optimized"], model.config.n_head, model.config.d_model)
+        optimize(fp32, out / GRAPH_FILES["optimized"], config.n_head, config.d_model)
         variants.append("optimized")
     if int8:
         quantize(fp32, out / GRAPH_FILES["int8"], INT8_PER_TENSOR)  # the standard graph keeps standard ops
@@ -157,10 +165,11 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         variants.append("fp16")
     if not keep_fp32:
         fp32.unlink()
+        data_path(fp32).unlink()
         variants.remove("fp32")
     if default not in variants:
         raise ValueError(f"default graph {default!r} was not written; the bundle has {variants}")
-    manifest = make_manifest(model, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
+    manifest = make_manifest(config, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
                              weights_hash(model_dir), variants, default)
     for v in variants:
         stamp_metadata(out / GRAPH_FILES[v], manifest)

@@ -17,13 +17,20 @@ Five ops per MatMul: at batch 1 each costs a few microseconds of dispatch whatev
 is folded into the quantizer's scale and the weight scales rather than spent on a Mul. An all-zero row
 gives x / 0 = NaN, which QuantizeLinear turns into some integer; its output is then scaled by m = 0, so
 the row's product is 0, as it should be.
+
+Given the graph's directory and a data file, the weights are read from the source's data file one at a time
+(memory-mapped) and the quantized ones written to the new graph's (`export/external_data.py`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from export.external_data import DataFile, array_of
 
 MS_DOMAIN = "com.microsoft"
 WEIGHT_MAX = 64  # 7-bit weights: u8 x s8 pair sums fit 16 bits on AVX2 without VNNI
@@ -38,9 +45,12 @@ def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8), scale
 
 
-def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with every MatMul whose second input is a 2-D fp32 initializer rewritten as above."""
+def quantize_rows(model: onnx.ModelProto, graph_dir: Path | None = None, data: DataFile | None = None
+                  ) -> onnx.ModelProto:
+    """`model` with every MatMul whose second input is a 2-D fp32 initializer rewritten as above. Weights in
+    a data file are read from `graph_dir`; the quantized ones go to `data` (None: inside the graph)."""
     graph = model.graph
+    make = data.tensor if data else numpy_helper.from_array
     weights = {t.name: t for t in graph.initializer}
     shared = {"rowq_step": np.array(1 / ACTIVATION_MAX, np.float32),
               "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
@@ -50,7 +60,7 @@ def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
         if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
             nodes.append(node)
             continue
-        nodes += _row_quantized_matmul(node, graph, numpy_helper.to_array(w))
+        nodes += _row_quantized_matmul(node, graph, array_of(w, graph_dir or Path(".")), make)
         replaced.add(w.name)
     still_used = {name for node in nodes for name in node.input}
     kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
@@ -63,11 +73,11 @@ def quantize_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.ndarray) -> list[onnx.NodeProto]:
+def _row_quantized_matmul(node: onnx.NodeProto, graph: onnx.GraphProto, w: np.ndarray, make) -> list[onnx.NodeProto]:
     x, y, p = node.input[0], node.output[0], f"rowq_{node.name or node.output[0]}"
     w_q, w_scale = quantize_weight(w)
     w_scale = (w_scale / ACTIVATION_MAX).astype(np.float32)  # the activations' 1/127, folded in
-    graph.initializer.extend([numpy_helper.from_array(w_q, f"{p}_w"), numpy_helper.from_array(w_scale, f"{p}_ws")])
+    graph.initializer.extend([make(w_q, f"{p}_w"), make(w_scale, f"{p}_ws")])
 
     def op(kind: str, inputs: list[str], out: str, **attrs) -> onnx.NodeProto:
         return helper.make_node(kind, inputs, [out], name=f"{p}_{out.rsplit('_', 1)[-1]}", **attrs)

@@ -22,6 +22,9 @@ Each row's tokens sit at the start of its slot; a step writes its `seq` new keys
 positions seqlens_k + 1 - seq ... seqlens_k. When past and present are bound to the same buffer
 (IO binding), the kernel writes only the new positions and reads only each row's live prefix, so
 a step costs the same whatever max_seq is (docs/engine.md has the measurements).
+
+`export_static_cache_decoder` writes each weight to the graph's data file as it is made
+(`export/external_data.py`), so the graph is built with no second copy of the model's weights.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export.external_data import DataFile
 from model.gpt import GPT
 from model.rotary import inverse_frequencies
 from service.runtime.bundle import static_io_names
@@ -42,14 +46,16 @@ MS_DOMAIN = "com.microsoft"
 
 
 class GraphBuilder:
-    def __init__(self, weights: dict[str, np.ndarray]):
+    def __init__(self, weights: dict[str, np.ndarray], data: DataFile | None = None):
         self.weights = weights
+        self.data = data  # where initializers go as they are made; None: inside the graph
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.params: set[str] = set()  # weights already written as initializers (a weight may serve twice)
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        make = self.data.tensor if self.data else numpy_helper.from_array
+        self.initializers.append(make(np.ascontiguousarray(array), name))
         return name
 
     def param(self, name: str, transpose: bool = False) -> str | None:
@@ -125,19 +131,21 @@ class GraphBuilder:
         return self.node("MatMul", [f, self.param(f"{prefix}.fc_out.weight", transpose=True)], [f"ff_out_{i}"])
 
 
-def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None) -> onnx.ModelProto:
-    """The graph. `rotary_in_attention` rotates queries and keys inside GroupQueryAttention (do_rotary,
-    positions from seqlens_k, 2 ops per layer fewer) instead of with RotaryEmbedding ops at position_ids;
-    None chooses it wherever the op allows it (head width a multiple of 16, as in every Llama-family
-    model). Both run at the same speed within 3% (docs/onnx.md)."""
+def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None,
+                             data: DataFile | None = None) -> onnx.ModelProto:
+    """The graph, its weights written to `data` as they are made (None: inside the graph).
+    `rotary_in_attention` rotates queries and keys inside GroupQueryAttention (do_rotary, positions from
+    seqlens_k, 2 ops per layer fewer) instead of with RotaryEmbedding ops at position_ids; None chooses it
+    wherever the op allows it (head width a multiple of 16, as in every Llama-family model). Both run at
+    the same speed within 3% (docs/onnx.md)."""
     c = model.config
     if rotary_in_attention is None:
         rotary_in_attention = c.d_head % 16 == 0
     rms, eps, H, H_kv, D = c.norm == "rmsnorm", c.layer_norm_eps, c.n_head, c.kv_heads, c.d_head
-    weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}  # views of fp32 weights
     if c.pos_encoding == "sinusoidal":
         weights["pos_emb.weight"] = model.pos_table.float().cpu().numpy()
-    b = GraphBuilder(weights)
+    b = GraphBuilder(weights, data)
     in_names, out_names = static_io_names(c.n_layer)
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
     if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2)
@@ -191,11 +199,16 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     opsets = [helper.make_opsetid("", STATIC_OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
     onnx_model = helper.make_model(graph, opset_imports=opsets, producer_name="attnserve")
     onnx_model.ir_version = 8
-    onnx.checker.check_model(onnx_model)
+    if data is None:  # else checked once saved, where the checker finds the data file
+        onnx.checker.check_model(onnx_model)
     return onnx_model
 
 
 def export_static_cache_decoder(model: GPT, path: str | Path, rotary_in_attention: bool | None = None) -> Path:
+    """Write the graph to `path`, its weights to `path`.data beside it."""
     path = Path(path)
-    onnx.save(build_static_cache_graph(model.eval(), rotary_in_attention), str(path))
+    with DataFile(path) as data:
+        graph = build_static_cache_graph(model.eval(), rotary_in_attention, data)
+    onnx.save(graph, str(path))
+    onnx.checker.check_model(str(path))
     return path

@@ -2,20 +2,21 @@
 (blockwise `MatMulNBits`), FP16.
 
 Each takes the fp32 decoder written by `onnx_export` and writes a graph with the same inputs and
-outputs, so the runner serves any of them unchanged.
+outputs, so the runner serves any of them unchanged, its weights in `<graph>.data` beside it
+(`export/external_data.py`). The quantized graphs are written one weight at a time; onnxruntime's
+transformer optimiser and the FP16 conversion hold the whole graph.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import onnx
 
+from export.external_data import DataFile, copy_initializers, data_path, load_graph
 from service.runtime.bundle import WeightPrecision
 
 
@@ -28,7 +29,7 @@ def optimize(src: Path, dst: Path, n_head: int, d_model: int) -> Path:
     from onnxruntime.transformers.optimizer import optimize_model
 
     opt = optimize_model(str(src), model_type="gpt2", num_heads=n_head, hidden_size=d_model, opt_level=0)
-    opt.save_model_to_file(str(dst))
+    opt.save_model_to_file(str(dst), use_external_data_format=True)
     return dst
 
 
@@ -92,41 +93,24 @@ INT4 = quantization("nbits4-int8-b32")
 
 def quantize(src: Path, dst: Path, q: Quantization = INT8) -> Path:
     """Write `src` with its MatMul weights stored as `q` says; activations, logits and cache stay fp32."""
-    if q.method == "rowwise":
-        from export.row_quantization import quantize_rows
+    src, dst = Path(src), Path(dst)
+    model = load_graph(src)
+    with DataFile(dst) as data:
+        if q.method == "rowwise":
+            from export.row_quantization import quantize_rows
 
-        onnx.save(quantize_rows(onnx.load(str(src))), str(dst))
-        return dst
-    if q.method == "dynamic":
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+            quantize_rows(model, src.parent, data)
+        elif q.method == "dynamic":
+            from export.dynamic_quantization import quantize_matmuls_dynamic
 
-        # contrib ops (GroupQueryAttention) defeat shape inference; their outputs are float
-        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
-                         weight_type=QuantType.QInt8 if q.weight_type == "s8" else QuantType.QUInt8,
-                         reduce_range=q.reduce_range, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        return dst
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+            quantize_matmuls_dynamic(model, src.parent, data, q.weight_type, q.reduce_range)
+        else:
+            from export.block_quantization import quantize_blocks
 
-    config = DefaultWeightOnlyQuantConfig(block_size=q.block_size, is_symmetric=True, bits=q.bits,
-                                          accuracy_level=q.accuracy_level)
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=q.bits, block_size=q.block_size, is_symmetric=True,
-                                     accuracy_level=q.accuracy_level, algo_config=config)
-    with _quiet("onnxruntime.quantization"):
-        quantizer.process()
-    quantizer.model.save_model_to_file(str(dst), False)
+            quantize_blocks(model, src.parent, data, q.bits, q.block_size, q.accuracy_level)
+        copy_initializers(model, src.parent, data)  # what stays fp32 (embeddings, norms, biases, rotary tables)
+    onnx.save(model, str(dst))
     return dst
-
-
-@contextmanager
-def _quiet(logger: str):
-    """The quantizer logs a line per MatMul at INFO; keep its warnings."""
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def convert_fp16(src: Path, dst: Path) -> Path:
@@ -134,7 +118,8 @@ def convert_fp16(src: Path, dst: Path) -> Path:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
-    onnx.save(model, str(dst))
+    data_path(dst).unlink(missing_ok=True)  # onnx appends to a data file that is there
+    onnx.save(model, str(dst), save_as_external_data=True, location=data_path(dst).name)
     return dst
 
 

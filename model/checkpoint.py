@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from model.config import GPTConfig
 from model.gpt import GPT
@@ -42,14 +43,27 @@ def weights_for_saving(model: GPT | EncoderDecoder) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: GPT | EncoderDecoder, path: str | Path) -> None:
-    """Load safetensors weights into `model`; every parameter but the tied head must be present."""
-    state = load_file(str(path))
-    if "tok_emb.weight" not in state and TIED_HEAD in state:  # as `safetensors.torch.save_model` writes it
-        state["tok_emb.weight"] = state.pop(TIED_HEAD)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = set(missing) - ({TIED_HEAD} if model.config.tie_embeddings else set())
+    """Load safetensors weights into `model`; every parameter but the tied head must be present. Tensors are
+    read and copied in one at a time, the file mapped for one tensor only, so loading holds the model once
+    rather than twice (a copy of the file beside it, mapped or read)."""
+    params = model.state_dict()  # the model's own tensors: copying into them loads the weights
+    with safe_open(str(path), framework="pt") as f:
+        names = {k: k for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    if "tok_emb.weight" not in names and TIED_HEAD in names:  # as `safetensors.torch.save_model` writes it
+        names[TIED_HEAD] = "tok_emb.weight"
+    ours = set(names.values())
+    missing = set(params) - ours - ({TIED_HEAD} if model.config.tie_embeddings else set())
+    unexpected = ours - set(params)
     if missing or unexpected:
         raise ValueError(f"{path} does not fit the config: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        for stored, name in names.items():
+            with safe_open(str(path), framework="pt") as f:
+                tensor = f.get_tensor(stored)
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"{path} does not fit the config: {stored} is {tuple(tensor.shape)}, the model's "
+                                 f"{name} is {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
 
 
 def load_model_dir(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer]:

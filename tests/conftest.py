@@ -355,9 +355,11 @@ def wrong_int8_bundle(tiny_bundle, lively_bundle, tmp_path_factory) -> Path:
     graph that parts from its fp32 graph, as a CPU whose integer kernels go wrong would make it."""
     import shutil
 
+    from export.external_data import copy_graph
+
     dst = tmp_path_factory.mktemp("wrong_int8") / "bundle"
     shutil.copytree(tiny_bundle, dst)
-    shutil.copyfile(lively_bundle / "model.static.onnx", dst / "model.static.int8.onnx")
+    copy_graph(lively_bundle / "model.static.onnx", dst / "model.static.int8.onnx")  # with its own weights
     return dst
 
 

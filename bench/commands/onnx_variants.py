@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnx
 
+    from export.external_data import data_path
+
     manifest = read_manifest(args.bundle)
     steps = min(DECODE_STEPS, manifest.model.n_ctx - PROMPT_TOKENS)
     rows = []
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.bundle / spec.file
         row = {"graph": name, "file": spec.file, "cache": spec.cache, "weights": spec.weights,
                "nodes": len(onnx.load(str(path), load_external_data=False).graph.node),
-               "size_mb": round(path.stat().st_size / 1e6, 2),
+               "size_mb": round(sum(f.stat().st_size for f in (path, data_path(path)) if f.is_file()) / 1e6, 2),
                "decode_ms_b1": round(decode_latency_ms(graph, steps, args.repeats), 3)}
         if args.quality:
             bpc = held_out_bits_per_char(graph.window_logits, held_out_ids(graph.tokenizer), manifest.model.n_ctx)

@@ -61,12 +61,13 @@ GPT2_SHAPE = dict(vocab_size=50257, n_ctx=1024, n_layer=12, n_head=12, d_model=7
 
 def candidate_bundle(bundle: Path, out: Path, names: list[str]) -> list[str]:
     """A bundle in `out` holding the fp32 serving graph (as REFERENCE) and each candidate quantisation."""
+    from export.external_data import copy_graph
     from export.variants import quantization, quantize
 
     manifest = read_manifest(bundle)
     name, spec = next((n, s) for n, s in manifest.graphs.items() if s.cache == "static" and s.weights == "float32")
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(bundle / spec.file, out / "fp32.onnx")
+    copy_graph(bundle / spec.file, out / "fp32.onnx")
     shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
     graphs = {REFERENCE: spec.model_copy(update={"file": "fp32.onnx"})}
     for q in names:
