@@ -135,22 +135,23 @@ def batch_invariance(runner: StaticRunner, seqs: np.ndarray) -> Invariance:
     return Invariance.of(alone, together[probed], rows)
 
 
-def check(runner: StaticRunner, reference: StaticRunner | None = None,
-          allow_low_agreement: bool = False) -> SelfCheck:
+def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low_agreement: bool = False,
+          probe=None) -> SelfCheck:
     """Measure `runner` on this machine: its agreement with the fp32 graph (reduced precision, or another
     provider) and its batch invariance. Raises `BundleError` if it disagrees with fp32, unless
     `allow_low_agreement`, which serves it anyway with a warning. `reference`: the bundle's fp32 static
-    graph on the CPU, if already open."""
+    graph on the CPU, if already open; `probe`: the probe it made (`probes_for(reference).probe(reference)`),
+    if made already, so that graphs checked one after another share it."""
     reduced = runner.spec.weights != "float32"
     on_cpu = runner.provider == "CPUExecutionProvider"
     probes = probes_for(runner)
     if not reduced and on_cpu:
-        invariance = probes.batch_invariance(runner, probes.probe(runner))
+        invariance = probes.batch_invariance(runner, probe if probe is not None else probes.probe(runner))
         log.info("self-check: graph %s (fp32 on the CPU, the reference) is %s", runner.graph_name,
                  invariance.describe())
         return SelfCheck(None, invariance)
     reference = reference or open_reference(runner)
-    seqs = probes.probe(reference)
+    seqs = probe if probe is not None else probes.probe(reference)
     result = probes.agreement(runner, reference, seqs)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
     refusal = _disagreement(runner, reference, result, where)
