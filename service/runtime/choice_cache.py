@@ -8,8 +8,8 @@ The self-check and the graph choice (`graph_choice.py`) give the same answer for
 kind of CPU, so their outcome is kept in one JSON file per bundle, CPU and settings, under `cache_dir`
 (`attnserve serve`: `$XDG_CACHE_HOME/attnserve`, else `~/.cache/attnserve`; `--cache-dir` or
 `ATTNSERVE_CACHE_DIR`). An entry serves a start only if all of these match what it was measured under:
-- the bundle: its manifest's sha256 and every serving graph file's (encoders included), so an entry never
-  outlives a re-export. Rereading gigabytes of graphs at every start would cost seconds, so a file whose size,
+- the bundle: its manifest's sha256 and every serving graph file's (encoders and the weights kept beside a
+  graph included), so an entry never outlives a re-export. Rereading gigabytes of graphs at every start would cost seconds, so a file whose size,
   inode and modification and change times are those its digest was taken at keeps that digest (a write
   changes its ctime, which no one can set back);
 - the CPU: its model name, the instruction-set flags onnxruntime picks its kernels by, its cores; the machine
@@ -24,6 +24,7 @@ cannot be written is a warning, never a failed start.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -154,7 +155,7 @@ class ChoiceCache:
         unchanged on disk (the module docstring says why)."""
         manifest_path = self.bundle / MANIFEST_FILE
         files = {}
-        for name in graph_files(read_manifest(self.bundle)):
+        for name in graph_files(self.bundle, read_manifest(self.bundle)):
             path = self.bundle / name
             st = path.stat()
             stat = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
@@ -164,15 +165,16 @@ class ChoiceCache:
         return {"manifest_sha256": sha256_file(manifest_path), "files": files}
 
 
-def graph_files(manifest: Manifest) -> list[str]:
-    """The files of every graph `--graph auto` could serve or check against: the static-cache graphs and
-    their encoders."""
-    names = []
+def graph_files(bundle: Path, manifest: Manifest) -> list[str]:
+    """The files of every graph `--graph auto` could serve or check against: the static-cache graphs, their
+    encoders, and the weights a graph keeps beside it (ONNX external data, `<file>.data`)."""
+    names = set()
     for graph, spec in manifest.graphs.items():
         if spec.cache == "static":
             encoder = manifest.encoder_for(graph)
-            names += [spec.file] + ([encoder.file] if encoder is not None else [])
-    return sorted(set(names))
+            for file in [spec.file] + ([encoder.file] if encoder is not None else []):
+                names |= {file} | {beside.name for beside in bundle.glob(glob.escape(file) + ".*")}
+    return sorted(names)
 
 
 def cpu_fingerprint() -> dict:

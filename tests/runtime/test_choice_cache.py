@@ -101,6 +101,20 @@ def test_a_changed_bundle_is_measured_again(bundle, tmp_path, measured, caplog, 
     assert measured == []  # the new outcome replaced the old one
 
 
+def test_the_weights_a_graph_keeps_beside_it_are_part_of_the_bundle(bundle, tmp_path, measured, caplog):
+    """A graph exported with its weights in `<file>.data` (ONNX external data): new weights there, under the
+    same graph file, are a new bundle."""
+    cache = tmp_path / "cache"
+    weights = bundle / "model.static.int8.onnx.data"
+    weights.write_bytes(b"weights")
+    serve(bundle, cache)
+    measured.clear()
+    weights.write_bytes(b"others!")
+    with caplog.at_level(logging.INFO, logger="service.runtime.choice_cache"):
+        serve(bundle, cache)
+    assert measured and "the bundle changed since it was checked (model.static.int8.onnx.data)" in caplog.text
+
+
 def test_a_file_written_again_with_the_same_bytes_is_still_the_same_bundle(bundle, tmp_path, measured):
     cache = tmp_path / "cache"
     serve(bundle, cache)
