@@ -54,7 +54,7 @@ from service.runtime.static_runner import StaticRunner
 log = logging.getLogger(__name__)
 
 TIMING_ROUNDS = 3
-TIMING_STEPS = 2
+TIMING_STEPS = 1  # per round, candidate and batch size: each round is one more sample
 TIMING_PROMPT = 8  # tokens prefilled per row before the timed decode steps (decode_step_ms, for benchmarks)
 MAX_TIMING_BATCH = 32
 TIE_MARGIN = 0.10
