@@ -9,9 +9,9 @@ kind of CPU, so their outcome is kept in one JSON file per bundle, CPU and setti
 (`attnserve serve`: `$XDG_CACHE_HOME/attnserve`, else `~/.cache/attnserve`; `--cache-dir` or
 `ATTNSERVE_CACHE_DIR`). An entry serves a start only if all of these match what it was measured under:
 - the bundle: its manifest's sha256 and every serving graph file's (encoders and the weights kept beside a
-  graph included), so an entry never outlives a re-export. Rereading gigabytes of graphs at every start would cost seconds, so a file whose size,
-  inode and modification and change times are those its digest was taken at keeps that digest (a write
-  changes its ctime, which no one can set back);
+  graph included), so an entry never outlives a re-export. Rereading gigabytes of graphs at every start
+  would cost seconds, so a file whose size, inode and modification and change times are those its digest
+  was taken at keeps that digest (a write changes its ctime, which no one can set back);
 - the CPU: its model name, the instruction-set flags onnxruntime picks its kernels by, its cores; the machine
   type and onnxruntime's version;
 - the settings the outcome depends on (the graph asked for, provider, threads, the timing batch, ...), and the
