@@ -11,7 +11,8 @@ kind of CPU, so their outcome is kept in one JSON file per bundle, CPU and setti
 - the bundle: its manifest's sha256 and every serving graph file's (encoders and the weights kept beside a
   graph included), so an entry never outlives a re-export. Rereading gigabytes of graphs at every start
   would cost seconds, so a file whose size, inode and modification and change times are those its digest
-  was taken at keeps that digest (a write changes its ctime, which no one can set back);
+  was taken at keeps that digest (a write changes its ctime, which no one can set back); and a start that
+  finds no entry takes the digests on a thread of its own while the graphs load and are checked;
 - the CPU: its model name, the instruction-set flags onnxruntime picks its kernels by, its cores; the machine
   type and onnxruntime's version;
 - the settings the outcome depends on (the graph asked for, provider, threads, the timing batch, ...), and the
@@ -31,7 +32,9 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,6 +88,7 @@ class ChoiceCache:
         self.path = path  # the entry's file
         self.key = key  # everything but the bundle's contents that the outcome depends on
         self._files: dict = {}  # the bundle's identity as `load` found it, whose digests `store` reuses
+        self._digests: Future | None = None  # the bundle's identity, taken on a thread of its own after a miss
 
     @classmethod
     def of(cls, bundle: Path, cache_dir: Path, settings: dict) -> ChoiceCache:
@@ -95,9 +99,18 @@ class ChoiceCache:
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return cls(bundle, Path(cache_dir) / CHOICE_DIR / f"{name}.json", key)
 
-    def load(self) -> CachedChoice | None:
-        """The cached outcome, if the entry exists, is readable and was measured on this very bundle; otherwise
-        None, with a log line saying why."""
+    def load(self, recheck: bool = False) -> CachedChoice | None:
+        """The cached outcome, if the entry exists, is readable and was measured on this very bundle (and
+        `recheck` does not ask to measure again); otherwise None, with a log line saying why."""
+        choice = self._read(recheck)
+        if choice is None and not self._files:
+            self._digest_in_background()
+        return choice
+
+    def _read(self, recheck: bool) -> CachedChoice | None:
+        if recheck:
+            log.info("graph choice: checking again, as asked (recheck), and replacing %s", self.path)
+            return None
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -127,8 +140,8 @@ class ChoiceCache:
     def store(self, choice: CachedChoice) -> None:
         """Write the entry (atomically: a reader sees the old file or the new one), or warn that it cannot."""
         try:
-            data = {"format": FORMAT, "key": self.key, "bundle": self._identity(self._files),
-                    "choice": choice.to_json()}
+            files = self._digests.result() if self._digests is not None else self._identity(self._files)
+            data = {"format": FORMAT, "key": self.key, "bundle": files, "choice": choice.to_json()}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
                 json.dump(data, f, indent=1)
@@ -139,6 +152,20 @@ class ChoiceCache:
             return
         log.info("graph choice: cached in %s; a restart on this CPU serves it without checking (--recheck "
                  "checks again)", self.path)
+
+    def _digest_in_background(self) -> None:
+        """Take the bundle's digests on a daemon thread while its graphs load and are checked, which leave a
+        core idle for much of the time: reading gigabytes would otherwise hold up the first start by seconds.
+        `store` waits for them."""
+        digests = self._digests = Future()
+
+        def run() -> None:
+            try:
+                digests.set_result(self._identity({}))
+            except BaseException as e:
+                digests.set_exception(e)
+
+        threading.Thread(target=run, name="attnserve-bundle-digests", daemon=True).start()
 
     def _changed_files(self, stored: dict) -> str | None:
         """Which of the bundle's files differ from those the entry was measured on, or None."""

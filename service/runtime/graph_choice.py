@@ -111,11 +111,9 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
         settings = {"graph": graph, "provider": provider, "threads": threads, "timing_batch": None if named else batch,
                     "allow_low_agreement": allow_low_agreement and named, "max_source": max_source}
         cache = ChoiceCache.of(bundle, cache_dir, settings)
-    cached = cache.load() if cache is not None and not recheck else None
+    cached = cache.load(recheck) if cache is not None else None
     if cached is not None:
         return serve_cached(open_(cached.served), cached, cache)
-    if cache is not None and recheck:
-        log.info("graph choice: checking again, as asked (recheck), and replacing %s", cache.path)
     if named:
         runner = open_(graph)
         checked = check(runner, allow_low_agreement=allow_low_agreement)
