@@ -217,8 +217,8 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 def time_decode(candidates: list[Candidate], batch: int) -> None:
     """Fill each candidate's `step_ms` at batch 1 and `batch`: decode steps at the first positions of a cache of
-    its own (one-token prompts prefilled first, and each size's first call untimed: onnxruntime allocates then),
-    rounds interleaved across candidates."""
+    its own, rounds interleaved across candidates. Each size's first run is untimed, since onnxruntime allocates
+    then: `batch` one-token prompts are prefilled first (a call of the same shapes), then one decode at batch 1."""
     sizes = sorted({1, batch})
     samples: dict[tuple[int, int], list[float]] = {(i, b): [] for i in range(len(candidates)) for b in sizes}
     calls = 1 + TIMING_ROUNDS * TIMING_STEPS  # per candidate and size, each at the next position
@@ -226,8 +226,7 @@ def time_decode(candidates: list[Candidate], batch: int) -> None:
         for c in candidates:
             scratch.enter_context(c.runner.scratch_cache(batch, calls + 1))
             c.runner.prefill_batch(0, [[0]] * batch)
-            for b in sizes:
-                decode_ms(c.runner, b, 1)
+            decode_ms(c.runner, 1, 1)
         for r in range(TIMING_ROUNDS):
             for i, c in enumerate(candidates):
                 for b in sizes:
