@@ -235,7 +235,7 @@ async def rehearse(engine: AsyncEngine) -> None:
 
     async def one(i: int) -> None:
         request = GenerationRequest(f"warmup-{uuid.uuid4().hex}", list(prompt), SamplingParams(seed=i),
-                                    StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+                                    StoppingCriteria(max_new_tokens=2, ignore_eos=True))  # a prefill, a decode
         async for _ in engine.submit(request):
             pass
 
