@@ -4,8 +4,8 @@
 #   2. use BASE_IMAGE if set; else python:3.11-slim if it can be pulled; else a local Debian bookworm
 #      base with Python 3.11 (mmdebstrap, cached in ~/.cache/attnserve/)
 #   3. build the image offline from a host wheelhouse (deploy/build-wheelhouse.sh)
-#   4. run it (host network, loopback) and wait for the gRPC health service to say SERVING, and for
-#      Docker's HEALTHCHECK to say healthy
+#   4. run it (host network, loopback, `--memory 6g`) and wait for the gRPC health service to say SERVING,
+#      and for Docker's HEALTHCHECK to say healthy; its log must plan memory from the container's limit
 #   5. generate text over gRPC from the host, and over HTTP (GET /health, POST /v1/completions)
 #   6. stop it with SIGTERM and check that it exited 0 after draining
 #   7. print the image size
@@ -116,8 +116,9 @@ port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)
 hport=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mport=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 # read-only root file system, as deploy/k8s runs it
-CONTAINER=$(docker run -d --network=host --read-only --tmpfs /tmp --name "$NAME" -e ATTNSERVE_HOST=127.0.0.1 \
-    -e ATTNSERVE_PORT="$port" -e ATTNSERVE_HTTP_PORT="$hport" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
+MEMORY=${MEMORY:-6g}
+CONTAINER=$(docker run -d --network=host --read-only --tmpfs /tmp --memory "$MEMORY" --name "$NAME" \
+    -e ATTNSERVE_HOST=127.0.0.1 -e ATTNSERVE_PORT="$port" -e ATTNSERVE_HTTP_PORT="$hport" -e ATTNSERVE_METRICS_PORT="$mport" "$TAG")
 address=127.0.0.1:$port
 for i in $(seq 120); do
     if "$PYTHON" -m service.client.health_probe --server "$address" >/dev/null 2>&1; then break; fi
@@ -128,6 +129,10 @@ for i in $(seq 120); do
     sleep 0.5
 done
 say "health: $("$PYTHON" -m service.client.health_probe --server "$address")"
+budget=$(docker logs "$CONTAINER" 2>&1 | grep -o 'memory budget [^"]*' | head -1 || true)
+grep -q 'the cgroup limit' <<<"$budget" ||
+    { docker logs "$CONTAINER" >&2; say "FAILED: memory not planned from the container's limit: $budget"; exit 1; }
+say "--memory $MEMORY: $budget"
 for i in $(seq 90); do
     status=$(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER")
     [ "$status" = healthy ] && break

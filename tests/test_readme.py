@@ -213,7 +213,7 @@ TABLE: dict[str, Run | Skip] = {
         Run(CLIENT, streamed_completion, server=SHAKESPEARE),
     "curl -s localhost:9464/metrics | grep '^attnserve_'": Run(CLIENT, metrics_of_the_calls_before, server=SHAKESPEARE),
     ".venv/bin/attnserve serve --host 0.0.0.0 --max-running 32 --log-format json":
-        Run(SERVER, server_log(r"serving shakespeare .*gRPC on 0\.0\.0\.0:50051", r"KV cache: 32 slots",
+        Run(SERVER, server_log(r"serving shakespeare .*gRPC on 0\.0\.0\.0:50051", r"KV cache: \d+ tokens .* 32 at once",
                                json_lines=True)),
     "ATTNSERVE_PORT=6000 .venv/bin/attnserve serve --config deploy/attnserve.example.toml":
         Run(SERVER, server_log(r"serving shakespeare .*gRPC on 127\.0\.0\.1:6000", json_lines=True),

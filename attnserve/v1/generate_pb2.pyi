@@ -250,7 +250,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_slots", "kv_free_slots", "kv_free_tokens", "uptime_seconds", "tokens_per_second", "version")
+    __slots__ = ("requests_running", "requests_waiting", "kv_slots", "kv_free_slots", "kv_free_tokens", "uptime_seconds", "tokens_per_second", "version", "kv_tokens")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class ServerInfo(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_slots: int
@@ -267,4 +268,5 @@ class ServerInfo(_message.Message):
     uptime_seconds: float
     tokens_per_second: float
     version: str
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_free_slots: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_free_slots: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., version: _Optional[str] = ..., kv_tokens: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""The engine: continuous batching over a fixed KV cache, in token ids. No grpc, no HTTP, no torch.
+"""The engine: continuous batching over a KV cache in blocks, in token ids. No grpc, no HTTP, no torch.
 
     core.py             Engine.step(): schedule -> run the model -> sample -> update and emit; Engine.generate()
     run_step.py         the run phase: the step's model calls in order, and who fails when one raises
@@ -9,10 +9,10 @@
     request.py          what goes in and comes out: GenerationRequest and its parameters, TokenEvent
     request_builder.py  a request validated and built into its state (RequestBuilder)
     sequence.py         per-request and per-sequence state (the engine thread's alone)
-    scheduler.py        who runs in the next step, under the token budget; owns the KV slots' bookkeeping
-    kv_cache.py         the KV cache: fixed slots, allocated once, kept dense
+    scheduler.py        who runs in the next step, under the token budget; admission, growth and preemption by KV blocks
+    kv_cache.py         the KV cache: dense slots of address space, memory in blocks taken as tokens are written
     prefix_cache.py     keys and values of prompt prefixes, in blocks, for later prompts that share them
-    cache_plan.py       the positions per sequence, the prefix cache and the slots the budget holds
+    cache_plan.py       the memory budget: the model, the activations, the KV blocks and the prefix cache
     sampler.py          logits -> next tokens for a whole batch, per-row parameters and RNG
     beam_search.py      a request's beam search rule; beam_step.py applies its next beams
     speculative.py      prompt lookup and the acceptance rule; speculative_step.py the policy and its calls

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.runtime.bundle import AUTO_GRAPH
+from service.runtime.memory import check_budget
 
 DEFAULT_BUNDLE = Path(__file__).resolve().parents[2] / "models" / "shakespeare-onnx"
 
@@ -29,20 +30,27 @@ class EngineConfig(BaseModel):
     threads: int = Field(0, ge=0)
     """onnxruntime threads per operator; 0 = one per core"""
     max_running: int = Field(64, ge=1)
-    """sequences decoded together (KV cache slots)"""
+    """sequences decoded together (KV cache slots: address space only, memory is taken per block of tokens
+    written)"""
     max_waiting: int = Field(256, ge=0)
     """requests queued beyond max_running; more get RESOURCE_EXHAUSTED"""
     max_batch_tokens: int = Field(512, ge=2)
     """tokens per model step: one per running sequence plus prompt prefill"""
     max_context: int | None = Field(None, ge=2)
-    """positions each KV cache slot holds: the longest prompt + completion served; unset = the model context (a
-    smaller one reserves less memory per sequence)"""
+    """positions a sequence may use, prompt + completion; unset = the model context. The memory budget must hold
+    one sequence of it"""
+    memory_budget: str = "0.65"
+    """memory the server may use, model and KV cache together: a fraction of the memory limit (the container's
+    cgroup limit, else physical memory), e.g. 0.65, or a size, e.g. 12GiB. The KV cache gets what the loaded model
+    and its activations leave"""
     kv_cache_bytes: int | None = Field(None, ge=1)
-    """cap on KV cache memory; unset = max_running slots of max_context positions"""
+    """KV cache memory, the prefix cache included; unset = all that memory_budget leaves for it (a value must fit
+    in that)"""
     prefix_caching: bool = True
     """keep the keys and values of prompt prefixes for later requests that start with them"""
     prefix_cache_tokens: int | None = Field(None, ge=0)
-    """positions the prefix cache keeps (in blocks of 16), counted in kv_cache_bytes; unset = 4 full contexts"""
+    """most positions the prefix cache keeps, in the KV cache's blocks (16 positions for most models); unset = as
+    many as running sequences leave free (they take blocks back from it as they need them)"""
     max_new_tokens: int | None = Field(None, ge=1)
     """limit on a request's max_new_tokens; unset = the model context - 1"""
     max_prompt_tokens: int | None = Field(None, ge=1)
@@ -60,6 +68,11 @@ class EngineConfig(BaseModel):
     rounding, and logprobs agree to about 1e-5 (docs/speculative.md)"""
     speculative_tokens: int = Field(4, ge=1, le=15)
     """most drafts a sequence proposes per step (fewer where its acceptance makes fewer faster)"""
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget_reads(cls, value: object) -> str:
+        return check_budget(value)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _budget_leaves_room_for_prefill(self) -> EngineConfig:

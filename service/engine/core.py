@@ -53,16 +53,18 @@ class EngineStats:
     running_requests: int  # requests whose prompt is (being) prefilled and that have not ended
     running_sequences: int  # sequences holding or promised a KV slot
     waiting_requests: int  # requests queued for admission
-    kv_slots: int  # sequences the KV cache holds
+    kv_slots: int  # rows a step may run (each reserves a context of address space)
     kv_free_slots: int
-    kv_free_tokens: int  # free slots × positions per slot
-    kv_bytes: int  # memory of the KV cache, allocated once
+    kv_tokens: int  # positions the KV cache's memory holds, for sequences and the prefix cache
+    kv_free_tokens: int  # of those, not held by a sequence (the prefix cache's count as free: sequences take them)
+    kv_bytes: int  # memory the budget gives the KV cache
+    preemptions: int  # sequences preempted (to be recomputed) when the KV cache ran out of blocks, since start
     tokens_per_s: float  # generated tokens per second over the last 10 s
     generated_tokens: int  # since start
     steps: int  # model steps since start
     prefix_queried_tokens: int  # prompt tokens of admitted requests looked up in the prefix cache, since start
     prefix_hit_tokens: int  # of those, found there (their keys and values copied, not computed)
-    prefix_cache_bytes: int  # memory of the prefix cache, allocated once (0 when it is off)
+    prefix_cache_bytes: int  # memory the prefix cache's blocks hold now (0 when it is off)
     speculation: SpeculationStats  # speculative decoding's drafts and tokens since start (all 0 when it is off)
 
 
@@ -84,11 +86,13 @@ class Engine:
         self.encoder_decoder = m.encoder_decoder  # its prompt is a source, encoded apart
         self.prefixes = plan.prefixes
         n_slots = plan.n_slots
-        self.kv = KVCache(plan.shape, n_slots, self.runner.slot_state(n_slots))
+        self.kv = KVCache(plan.shape, n_slots, self.runner.slot_state(n_slots), plan.block_tokens, plan.n_blocks)
         self.runner.attach(self.kv.buffers, self.kv.slot_state)
+        lookahead = config.speculative_tokens if config.speculative != "off" else 0
         self.scheduler = Scheduler(self.kv, config.max_running, config.max_batch_tokens, self.prefixes,
-                                   encoder_decoder=self.encoder_decoder)
+                                   encoder_decoder=self.encoder_decoder, lookahead=lookahead)
         self.max_running = self.scheduler.max_running  # sequences decoded together (fixed)
+        self.block_policy = self.scheduler.blocks  # fixed figures: new_request reads it on any thread
         self.grammars = Grammars(self.tokenizer, m.vocab_size, sorted(self.eos_ids))  # structured output
         self.limits = EngineLimits.of(config, self.context,
                                       self.runner.max_source if self.encoder_decoder else None)
@@ -106,10 +110,12 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
-        log.info("KV cache: %d slots x %d positions, %.1f MiB (%d bytes) allocated once; %s", n_slots,
-                 self.kv.shape.max_seq, self.kv.nbytes / 2**20, self.kv.nbytes,
-                 f"prefix cache: {self.prefixes.n_blocks} blocks x {self.prefixes.block_tokens} positions, "
-                 f"{self.prefixes.nbytes / 2**20:.1f} MiB" if self.prefixes else "prefix caching off")
+        log.info("%s", plan.memory.describe(config.memory_budget))
+        log.info("KV cache: %d tokens (%d blocks of %d positions, %.1f MiB), taken as sequences write them; sequences "
+                 "of up to %d positions (%.1f full contexts), %d at once; %s", plan.tokens, plan.n_blocks,
+                 plan.block_tokens, self.kv.nbytes / 2**20, self.context, plan.tokens / self.context, n_slots,
+                 f"prefix cache: up to {self.prefixes.n_blocks * self.prefixes.block_tokens} tokens of it"
+                 if self.prefixes else "prefix caching off")
 
     def warm_up(self) -> None:
         """Run decode once at the widest batch the engine runs (before any request is added): onnxruntime's
@@ -122,6 +128,7 @@ class Engine:
         decode_s = time.perf_counter() - started
         if self.speculation is not None:
             self.speculation.calibrate()
+        self.kv.discard_unused()  # what warm-up wrote holds no sequence: its pages go back
         try:
             self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
         except InvalidRequest as e:
@@ -135,7 +142,11 @@ class Engine:
     def new_request(self, request: GenerationRequest, grammar: Grammar | None = None) -> RequestState:
         """Validate a request and build its state (`RequestBuilder.build`): pure, so any thread may call it;
         `add` hands the state to the engine."""
-        return self.builder.build(request, grammar)
+        state = self.builder.build(request, grammar)
+        too_big = self.block_policy.refusal(state)
+        if too_big is not None:
+            raise InvalidRequest("max_new_tokens" if state.request.slots == 1 else "n", too_big)
+        return state
 
     def add(self, state: RequestState) -> None:
         """Queue a request. Admission (whether there is room) is the caller's decision, made once:
@@ -230,8 +241,9 @@ class Engine:
         p, c = self.prefixes, self.counters
         return EngineStats(running_requests=c.running_requests, running_sequences=self.scheduler.num_running,
                            waiting_requests=len(self.scheduler.waiting), kv_slots=self.kv.n_slots,
-                           kv_free_slots=self.kv.free_slots, kv_free_tokens=self.kv.free_tokens,
-                           kv_bytes=self.kv.nbytes, tokens_per_s=c.tokens_per_s(time.monotonic()),
+                           kv_free_slots=self.kv.free_slots, kv_tokens=self.kv.n_blocks * self.kv.block_tokens,
+                           kv_free_tokens=self.kv.reclaimable_tokens, kv_bytes=self.kv.nbytes,
+                           preemptions=self.scheduler.preemptions, tokens_per_s=c.tokens_per_s(time.monotonic()),
                            generated_tokens=c.generated_tokens, steps=c.steps,
                            prefix_queried_tokens=p.queried_tokens if p else 0,
                            prefix_hit_tokens=p.hit_tokens if p else 0, prefix_cache_bytes=p.nbytes if p else 0,

@@ -11,11 +11,13 @@ Blocks are matched on their tokens *and* everything before them: a block is foun
 block, its tokens), so one block stands for a whole prefix, with no hashing to collide. The blocks
 form a tree; a lookup walks it from the root, block by block.
 
-The cache is a pool of `n_blocks` blocks allocated once beside the slots, and counted with them in
-the KV budget. When it is full, the least recently used block that no other block extends is
-evicted (a leaf: its parent stays useful to others). A slot's positions stay contiguous, as the
-serving graph needs, so a hit is copied into the slot rather than shared: a copy of the prefix's
-keys and values (a memory copy per layer) instead of a forward pass over it.
+The cache holds at most `n_blocks` blocks, in address space reserved beside the slots; the blocks it
+holds take memory and count against the KV cache's blocks (`KVCache.shared`), so it keeps prefixes in
+the memory sequences leave free and gives it back when they need it (`evict`). When it is full, or no
+block of the budget is free, the least recently used block that no other block extends is evicted (a
+leaf: its parent stays useful to others). A slot's positions stay contiguous, as the serving graph
+needs, so a hit is copied into the slot rather than mapped: a copy of the prefix's keys and values (a
+memory copy per layer) instead of a forward pass over it (docs/engine.md#kv-cache-memory says why).
 
 A hit always leaves at least one prompt token to compute, since the first generated token needs the
 logits of the prompt's last position.
@@ -26,9 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 from service.engine.kv_cache import KVCache
+from service.runtime.memory import lazy_zeros, release_pages
 from service.runtime.static_runner import CacheShape
 
 ROOT = -1  # the parent of a prompt's first block
@@ -62,11 +63,12 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.n_blocks = n_blocks
         dims = (n_blocks, shape.n_head, block_tokens, shape.d_head)  # per layer, key and value alike
-        self.pool = [np.zeros(dims, dtype=shape.dtype) for _ in range(2 * shape.n_layer)]
+        self.pool = [lazy_zeros(dims, shape.dtype) for _ in range(2 * shape.n_layer)]
         self._blocks: dict[int, _Block] = {}
         self._index: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent, tokens) -> block
         self._recent: OrderedDict[int, None] = OrderedDict()  # every kept block, least recently used first
-        self._free = list(range(n_blocks - 1, -1, -1))
+        self._free: list[int] = []  # blocks given back, taken again first
+        self._fresh = 0  # blocks [_fresh, n_blocks) were never taken
         self.queried_tokens = 0  # prompt tokens looked up (counters for the hit rate)
         self.hit_tokens = 0  # of those, found in the cache
 
@@ -75,8 +77,17 @@ class PrefixCache:
         return n_blocks * block_tokens * shape.bytes_per_slot // shape.max_seq
 
     @property
+    def block_bytes(self) -> int:
+        return sum(b[0].nbytes for b in self.pool)
+
+    @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.pool)
+        """The memory its blocks hold now."""
+        return self.blocks_used * self.block_bytes
+
+    def share(self, kv: KVCache) -> None:
+        """Count the blocks kept here against `kv`'s blocks."""
+        kv.shared = lambda: -(-self.blocks_used * self.block_tokens // kv.block_tokens)
 
     @property
     def blocks_used(self) -> int:
@@ -121,7 +132,7 @@ class PrefixCache:
             key = (parent, tuple(tokens[start:start + B]))
             block = self._index.get(key)
             if block is None:
-                block = self._take(keep=parent)
+                block = self._take(keep=parent, fresh=kv.free_blocks > 0)
                 if block is None:
                     break  # every block is an ancestor of another: nothing to evict
                 for dst, src in zip(self.pool, kv.buffers, strict=True):
@@ -136,22 +147,45 @@ class PrefixCache:
             parent = block
         return added
 
-    def _take(self, keep: int) -> int | None:
-        """A free block, evicting the least recently used leaf (never `keep`) if none is free."""
-        if self._free:
+    def _take(self, keep: int, fresh: bool = True) -> int | None:
+        """A free block (if `fresh`: the KV budget has room for one more), else the least recently used leaf's
+        (never `keep`), evicted."""
+        if fresh and self._free:
             return self._free.pop()
+        if fresh and self._fresh < self.n_blocks:
+            self._fresh += 1
+            return self._fresh - 1
         victim = next((b for b in self._recent if self._blocks[b].children == 0 and b != keep), None)
         if victim is None:
             return None
+        self._drop(victim)
+        return victim
+
+    def evict(self, n: int) -> int:
+        """Give up to `n` blocks back to the KV budget, least recently used leaves first (their pages too).
+        Returns the blocks given back."""
+        given = 0
+        while given < n:
+            victim = next((b for b in self._recent if self._blocks[b].children == 0), None)
+            if victim is None:
+                break
+            self._drop(victim)
+            for buf in self.pool:
+                release_pages(buf, victim * buf[0].nbytes, (victim + 1) * buf[0].nbytes)
+            self._free.append(victim)
+            given += 1
+        return given
+
+    def _drop(self, victim: int) -> None:
         gone = self._blocks.pop(victim)
         del self._index[(gone.parent, gone.tokens)]
         del self._recent[victim]
         if gone.parent != ROOT:
             self._blocks[gone.parent].children -= 1
-        return victim
 
     def clear(self) -> None:
+        self.evict(len(self._blocks))
         self._blocks.clear()
         self._index.clear()
         self._recent.clear()
-        self._free = list(range(self.n_blocks - 1, -1, -1))
+        self._free, self._fresh = [], 0

@@ -4,13 +4,24 @@ Every step spends one token per running sequence (the decode rows, slots [0, use
 the rest of `max_batch_tokens` to prefill, first come first served:
 
 - If a long prompt is part-way through prefill, its next chunk takes the whole remaining budget.
-- Otherwise waiting requests are admitted in arrival order while a KV slot is free for each of
-  their n sequences, `max_running` is respected, and their prompts (right-padded to the longest)
-  fit the budget. They are prefilled together in one call, into consecutive new slots.
+- Otherwise waiting requests are admitted in arrival order while a KV slot and the KV blocks are
+  free for each of their n sequences, `max_running` is respected, and their prompts (right-padded
+  to the longest) fit the budget. They are prefilled together in one call, into consecutive new slots.
 - A prompt longer than the budget on its own is chunked: its first chunk starts now, and the
   requests behind it wait. FCFS means no request is overtaken, so none waits unboundedly.
 
 So decode never stalls for more than one budgeted step, however long the prompts are.
+
+KV memory is held in blocks of positions (`kv_cache.py`). A sequence gets the blocks for its prompt
+when it is admitted, and one more whenever its decode reaches the end of what it holds (`_grow`,
+before each step). A request of one sampled sequence takes no more: it is preemptible. A request
+that forks (n > 1, beams), scores its prompt or is an encoder-decoder's gets at admission the blocks
+for its whole completion (prompt + max_new_tokens, per sequence), and never grows. When a sequence
+must grow and no block is free, the prefix cache gives blocks back first; then the newest running
+preemptible request is preempted: its slot and blocks are freed, and it goes back to the head of the
+queue to be prefilled again, prompt and output so far, when blocks are free (recomputation, as vLLM
+does on a GPU; on a CPU "swapping" out would use the same memory). It then feeds its last token and
+decodes on, its output streamed as before.
 
 With a prefix cache, a prompt whose first blocks are cached gets them copied into its slot and
 continues from there, like the rest of a chunked prompt: it runs alone in its call (onnxruntime's
@@ -34,6 +45,45 @@ import numpy as np
 from service.engine.kv_cache import KVCache
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import RequestState, Sequence, Status
+
+
+@dataclass(frozen=True)
+class BlockPolicy:
+    """What each request gets of the KV cache's blocks, from the cache's fixed figures alone (so any thread
+    may ask: `Engine.new_request` refuses a request that could never fit before it is queued)."""
+
+    block_tokens: int
+    context: int  # positions per sequence
+    n_blocks: int  # the cache's blocks
+    encoder_decoder: bool
+    lookahead: int  # positions a decode row may write past its fed token (speculative drafts)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-min(positions, self.context) // self.block_tokens)
+
+    def preemptible(self, state: RequestState) -> bool:
+        """Whether a request can be preempted and recomputed: one sampled sequence of a decoder, not scoring
+        its prompt (whose logprobs are recorded as its chunks run)."""
+        return (state.request.slots == 1 and state.beam is None and not self.encoder_decoder
+                and state.prompt_logprobs is None)
+
+    def each(self, state: RequestState) -> int:
+        """The blocks each of a request's sequences gets at admission: a preemptible one's prefill (and the
+        padding position a prefill call may write past it), any other's whole completion."""
+        if self.preemptible(state):
+            return self.blocks_for(len(state.seqs[0].prefill_tokens) + 1)
+        written = 1 if self.encoder_decoder else len(state.prompt)  # an encoder-decoder's cache holds its target
+        return self.blocks_for(written + state.request.stopping.max_new_tokens + 1 + self.lookahead)
+
+    def refusal(self, state: RequestState) -> str | None:
+        """Why the KV cache could never hold `state` (None: it can, once the others leave)."""
+        n = state.request.slots
+        need = n * self.each(state)
+        if need > self.n_blocks:
+            return (f"its {n} sequences of up to {need // n * self.block_tokens} positions need "
+                    f"{need * self.block_tokens} positions of KV cache; the server holds "
+                    f"{self.n_blocks * self.block_tokens}")
+        return None
 
 
 @dataclass
@@ -76,9 +126,15 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVCache, max_running: int, max_batch_tokens: int, prefixes: PrefixCache | None = None,
-                 encoder_decoder: bool = False):
+                 encoder_decoder: bool = False, lookahead: int = 0):
         self.kv = kv
         self.prefixes = prefixes
+        if prefixes is not None:
+            prefixes.share(kv)
+        self.lookahead = lookahead  # positions a decode row may write past its fed token (speculative drafts)
+        self.blocks = BlockPolicy(kv.block_tokens, kv.shape.max_seq, kv.n_blocks, encoder_decoder, lookahead)
+        self.preemptions = 0  # since start
+        self._admissions = 0
         self.max_running = min(max_running, kv.n_slots)
         self.max_batch_tokens = max_batch_tokens
         # the prompts are an encoder-decoder's sources: each is encoded whole (never chunked), and what its
@@ -96,6 +152,7 @@ class Scheduler:
         self.waiting.append(state)
 
     def schedule(self) -> Batch:
+        self._grow()
         batch = Batch(decode=list(self.kv.owners[:self.kv.used]))
         budget = self.max_batch_tokens - len(batch.decode)
         if self.chunking is not None:
@@ -106,34 +163,87 @@ class Scheduler:
 
     def _next_chunk(self, seq: Sequence, budget: int) -> PrefillWork:
         start = seq.num_prefilled
-        return PrefillWork([seq], [seq.request_state.prompt[start:start + max(budget, 1)]], start)
+        return PrefillWork([seq], [seq.prefill_tokens[start:start + max(budget, 1)]], start)
+
+    # ---- KV blocks: admission, growth, preemption ----------------------------------------------
+
+    def preemptible(self, state: RequestState) -> bool:
+        return self.blocks.preemptible(state)
+
+    def blocks_each(self, state: RequestState) -> int:
+        return self.blocks.each(state)
+
+    def _room(self, blocks: int) -> bool:
+        """Whether `blocks` are free, after the prefix cache gives back what it must."""
+        short = blocks - self.kv.free_blocks
+        if short > 0 and self.prefixes is not None:
+            self.prefixes.evict(short)
+        return blocks <= self.kv.free_blocks
+
+    def _grow(self) -> None:
+        """Give each decoding row the blocks for what its next step writes, preempting the newest preemptible
+        requests when none are free."""
+        for seq in self.kv.owners[:self.kv.used]:  # a preemption moves slots: each sequence is seen once
+            if seq.slot is None or seq.status is not Status.DECODING:
+                continue
+            needed = int(self.kv.lengths[seq.slot]) + 1 + self.lookahead
+            while seq.slot is not None and not self._room(self.kv.missing(seq.slot, needed)):
+                victim = max((s.request_state for s in self.kv.owners[:self.kv.used]
+                              if s is not None and self.preemptible(s.request_state)),
+                             key=lambda state: state.admitted, default=None)
+                if victim is None:  # only fully reserved requests hold blocks: they never grow, so this cannot be
+                    raise RuntimeError(f"no KV block free for a sequence of {needed} positions, none preemptible")
+                self.preempt(victim)
+            if seq.slot is not None:
+                self.kv.grow(seq.slot, needed)
+
+    def preempt(self, state: RequestState) -> None:
+        """Free a preemptible request's slot and blocks and queue it first, to be prefilled again with its output."""
+        seq = state.seqs[0]
+        seq.resume = state.prompt + seq.output_ids[:-1] if seq.output_ids else None
+        moved = self.kv.release(seq.slot)
+        if moved is not None:
+            moved[0].slot = moved[1]
+        seq.slot, seq.num_prefilled, seq.status = None, 0, Status.WAITING
+        if self.chunking is seq:
+            self.chunking = None
+        self.waiting.appendleft(state)
+        self.preemptions += 1
+
+    # ---- admission -------------------------------------------------------------------------------
 
     def _admit(self, budget: int) -> PrefillWork | None:
         batch: list[RequestState] = []
         longest = 0
         while self.waiting:
             state = self.waiting[0]
-            n, length = state.request.slots, len(state.prompt)
+            n, length = state.request.slots, len(state.seqs[0].prefill_tokens)
             if n > self.kv.free_slots or self.num_running + n > self.max_running:
                 break
             if batch and (len(batch) + 1) * max(longest, length) > budget:
                 break
+            blocks = self.blocks_each(state)
+            if not self._room(n * blocks):
+                break
             # a prompt to score is computed whole: a cached position's logits would not be
-            hit = self.prefixes.match(state.prompt) if self.prefixes and state.request.prompt_logprobs is None \
-                else None
+            hit = self.prefixes.match(state.seqs[0].prefill_tokens) \
+                if self.prefixes and state.request.prompt_logprobs is None else None
             if hit and hit.blocks and batch:
                 break  # it continues a cache: alone, at the head of the next step's prompts
             self.waiting.popleft()
             first = state.seqs[0]
-            first.slot = self.kv.allocate(first)
-            self.kv.reserve(n - 1)  # the siblings get slots when the prompt is in the cache
-            state.reserved = n - 1
+            first.slot = self.kv.allocate(first, blocks)
+            self.kv.reserve(n - 1, blocks)  # the siblings get slots when the prompt is in the cache
+            state.reserved, state.blocks_each = n - 1, blocks
+            state.admitted, self._admissions = self._admissions, self._admissions + 1
             first.status = Status.PREFILLING
-            if hit is not None:
+            if hit is not None and first.resume is None:
                 self.prefixes.count(length, hit)
             if hit and hit.blocks:  # the cached blocks go into the slot; the rest is prefilled like a chunk
                 self.prefixes.load(hit, self.kv, first.slot)
-                first.num_prefilled = state.cached_tokens = hit.tokens
+                first.num_prefilled = hit.tokens
+                if first.resume is None:  # a recomputation's hits are not the prompt's: usage reports the first's
+                    state.cached_tokens = hit.tokens
                 self.chunking = first
                 return self._next_chunk(first, budget)
             if length > budget and not self.encoder_decoder:  # alone, and still too long: chunk it
@@ -143,24 +253,29 @@ class Scheduler:
             longest = max(longest, length)
         if not batch:
             return None
-        return PrefillWork([s.seqs[0] for s in batch], [s.prompt for s in batch], 0)
+        return PrefillWork([s.seqs[0] for s in batch], [s.seqs[0].prefill_tokens for s in batch], 0)
 
     # ---- what ran: the KV bookkeeping follows ---------------------------------------------------
 
     def prefilled(self, work: PrefillWork) -> list[tuple[int, Sequence]]:
         """`work` is in the cache. Returns, for each prompt now complete, (its row in `work`, each
-        sequence of its request): n > 1 siblings get their reserved slots with a copy of the prompt."""
+        sequence of its request): n > 1 siblings get their reserved slots with a copy of the prompt. A sequence
+        that was preempted is not among them: it decodes on from its last token."""
         complete = []
         for row, (seq, chunk) in enumerate(zip(work.seqs, work.chunks, strict=True)):
             seq.num_prefilled += len(chunk)
             self.kv.lengths[seq.slot] = 1 if self.encoder_decoder else seq.num_prefilled
-            if seq.num_prefilled < seq.prompt_len:
+            if seq.num_prefilled < len(seq.prefill_tokens):
                 continue
             seq.status = Status.DECODING
             if self.chunking is seq:
                 self.chunking = None
             if self.prefixes:
-                self.prefixes.store(seq.request_state.prompt, self.kv, seq.slot)
+                self.prefixes.store(seq.prefill_tokens, self.kv, seq.slot)
+            if seq.resume is not None:
+                seq.resume = None
+                self.feed(seq, seq.output_ids[-1])
+                continue
             complete.append((row, seq))
             for sibling in seq.request_state.seqs:
                 if sibling is not seq:
@@ -188,7 +303,7 @@ class Scheduler:
 
     def _fork(self, seq: Sequence, sibling: Sequence) -> None:
         """Give a reserved slot to `sibling` with a copy of `seq`'s prompt cache."""
-        sibling.slot = self.kv.allocate(sibling, reserved=True)
+        sibling.slot = self.kv.allocate(sibling, sibling.request_state.blocks_each, reserved=True)
         sibling.request_state.reserved -= 1
         self.kv.copy(seq.slot, sibling.slot, int(self.kv.lengths[seq.slot]))
         sibling.num_prefilled = seq.num_prefilled
@@ -215,7 +330,7 @@ class Scheduler:
             for seq in state.seqs:
                 if seq.status is not Status.FINISHED:
                     self.free(seq)
-        self.kv.unreserve(state.reserved)
+        self.kv.unreserve(state.reserved, state.blocks_each)
         state.reserved = 0
 
     def remove_waiting(self, state: RequestState) -> bool:

@@ -44,6 +44,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     matcher: Any = None  # the llguidance matcher of a constrained request, advanced with each token
     speculation: Speculation | None = None  # its drafts so far, once it speculates
+    # after a preemption: what its slot must hold again before it decodes on (the prompt and its output but the
+    # last token, which it feeds next); None otherwise
+    resume: list[int] | None = None
 
     @property
     def request(self) -> GenerationRequest:
@@ -52,6 +55,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request_state.prompt)
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What its prefill writes: its prompt, or after a preemption the prompt and its output so far."""
+        return self.resume if self.resume is not None else self.request_state.prompt
 
 
 @dataclass(eq=False)
@@ -63,6 +71,8 @@ class RequestState:
     first_token_at: float | None = None
     seqs: list[Sequence] = field(default_factory=list)
     reserved: int = 0  # KV slots promised to siblings not yet forked
+    blocks_each: int = 0  # KV blocks each of its sequences got at admission (and each reserved slot holds)
+    admitted: int = -1  # admission order (the newest running request is preempted first); -1: never admitted
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     # the prompt's logprobs as its chunks are prefilled, when the request asks for them
     prompt_logprobs: list[PromptLogprob] | None = None

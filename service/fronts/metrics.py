@@ -45,7 +45,8 @@ class Metrics:
             "attnserve_queue_duration_seconds", "Arrival to start of prefill", buckets=LATENCY_BUCKETS_S, registry=r)
         self.requests_running = Gauge("attnserve_requests_running", "Requests holding KV cache slots", registry=r)
         self.requests_waiting = Gauge("attnserve_requests_waiting", "Requests queued for admission", registry=r)
-        self.kv_cache_usage = Gauge("attnserve_kv_cache_usage_ratio", "Share of KV cache slots in use (0..1)",
+        self.kv_cache_usage = Gauge("attnserve_kv_cache_usage_ratio", "Share of the KV cache's tokens held by "
+                                    "running sequences (0..1; the prefix cache's blocks count as free)",
                                     registry=r)
         self.generated_tokens = Counter("attnserve_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("attnserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
@@ -104,7 +105,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def _usage(s: EngineStats) -> float:
-    return 1.0 - s.kv_free_slots / s.kv_slots if s.kv_slots else 0.0
+    return 1.0 - s.kv_free_tokens / s.kv_tokens if s.kv_tokens else 0.0
 
 
 def _hit_rate(s: EngineStats) -> float:
@@ -124,6 +125,8 @@ class _EngineCounters(Collector):
                                   "looked up in the prefix cache", value=s.prefix_queried_tokens)
         yield CounterMetricFamily("attnserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
                                   "(keys and values copied, not computed)", value=s.prefix_hit_tokens)
+        yield CounterMetricFamily("attnserve_preemptions", "Sequences preempted, to be prefilled again later, when the "
+                                  "KV cache had no block free for them to grow", value=s.preemptions)
         spec = s.speculation
         yield CounterMetricFamily("attnserve_spec_decode_drafts", "Drafts speculative decoding had the model check "
                                   "(one per sequence and step)", value=spec.drafts)

@@ -13,4 +13,5 @@
     seq2seq_check.py  the self-check's probe for an encoder-decoder
     probes.py         what the self-check measures with, for either kind of model: Agreement, Invariance
     cpu.py            this CPU's model, cores and instruction-set flags
+    memory.py         the memory limit and budget; address space whose pages are taken on write
 """

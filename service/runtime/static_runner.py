@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.runtime.bundle import BundleError
+from service.runtime.memory import lazy_zeros
 from service.runtime.session import GraphRunner, Provider
 
 # onnxruntime's GroupQueryAttention computes a call's queries in tiles of this many; a last tile of one
@@ -40,9 +41,10 @@ class CacheShape:
 
     def buffers(self, n_slots: int) -> list[np.ndarray]:
         """Zeroed key and value buffers [n_slots, n_head, max_seq, d_head], in graph order (layer 0 key,
-        layer 0 value, layer 1 key, ...)."""
+        layer 0 value, layer 1 key, ...): address space whose pages are taken as positions are written, never
+        as huge pages (a probe that writes a few positions of each row takes a few pages, not 2 MiB a row)."""
         dims = (n_slots, self.n_head, self.max_seq, self.d_head)
-        return [np.zeros(dims, dtype=self.dtype) for _ in range(2 * self.n_layer)]
+        return [lazy_zeros(dims, self.dtype) for _ in range(2 * self.n_layer)]
 
     @property
     def bytes_per_slot(self) -> int:

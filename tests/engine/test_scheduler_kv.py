@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from service.engine.errors import InvalidRequest
-from service.engine.kv_cache import KVCache, plan_slots
+from service.engine.kv_cache import KVCache, block_tokens_for
 from service.engine.sequence import Status
 from service.runtime.static_runner import CacheShape
 from tests.engine.harness import Run, check_idle, drive, greedy, random_prompt, run_alone, sampled
@@ -85,12 +85,41 @@ def test_copy_copies_the_prefix_of_every_layer():
     assert kv.lengths[2] == 4
 
 
-def test_memory_is_planned_once():
-    assert KVCache(SHAPE, 5).nbytes == 5 * SHAPE.bytes_per_slot == 5 * 2 * 2 * 2 * 8 * 3 * 4
-    assert plan_slots(SHAPE, 10, None) == 10
-    assert plan_slots(SHAPE, 10, 3 * SHAPE.bytes_per_slot + 1) == 3
-    with pytest.raises(ValueError):
-        plan_slots(SHAPE, 10, SHAPE.bytes_per_slot - 1)
+def test_blocks_are_held_per_sequence_and_counted_against_the_budget():
+    kv = KVCache(SHAPE, 4, block_tokens=2, n_blocks=6)
+    assert kv.blocks_per_slot == 4 and kv.free_blocks == 6 and kv.free_tokens == 12
+    a = kv.allocate("a", blocks=2)
+    kv.reserve(1, blocks_each=3)  # a sibling's slot and blocks, promised
+    assert kv.free_blocks == 1 and kv.free_slots == 2
+    with pytest.raises(RuntimeError, match="cannot reserve"):
+        kv.reserve(1, blocks_each=2)
+    assert kv.missing(a, 4) == 0 and kv.missing(a, 5) == 1 and kv.missing(a, 99) == 2  # capped at the context
+    kv.grow(a, 5)
+    assert kv.held[a] == 3 and kv.free_blocks == 0
+    with pytest.raises(RuntimeError, match="more blocks"):
+        kv.grow(a, 7)
+    b = kv.allocate("b", blocks=3, reserved=True)
+    assert kv.promised == 0 and kv.held_total == 6
+    kv.release(a)  # b moves into slot 0 and keeps its blocks
+    assert kv.owners[0] == "b" and kv.held[0] == 3 and kv.free_blocks == 3 and b == 1
+    kv.shared = lambda: 2  # what a prefix cache keeps counts too
+    assert kv.free_blocks == 1
+
+
+def test_freed_positions_give_their_pages_back():
+    shape = CacheShape(n_layer=1, n_head=2, d_head=64, max_seq=64)  # a position of a head: 256 bytes
+    assert block_tokens_for(shape) == 16  # a block of each head's row: one page
+    kv = KVCache(shape, 3)
+    for owner, length in zip("abc", (64, 20, 40), strict=True):
+        fill(kv, kv.allocate(owner, blocks=kv.blocks_for(length)), ord(owner), length)
+    kv.release(0)  # c (40 positions) moves into a's slot; a's positions past them go back and read as zeros
+    for b in kv.buffers:
+        assert (b[0, :, :40] == ord("c")).all()
+        assert (b[0, :, 48:] == 0).all()  # whole pages past the moved prefix: released
+        assert (b[2] == 0).all()  # the last slot: released whole
+        assert (b[1, :, :20] == ord("b")).all()
+    assert kv.discard(1, 0) == 2 * 2 * 64 * 256  # every head row of the slot, key and value
+    assert (kv.buffers[0][1] == 0).all()
 
 
 # ---- the engine's cache and schedule -------------------------------------------------------------
@@ -103,6 +132,8 @@ def check_dense(engine) -> None:
         assert seq is not None and seq.slot == i and seq.status in (Status.PREFILLING, Status.DECODING)
         cached = seq.prompt_len + len(seq.output_ids) - 1 if seq.status is Status.DECODING else seq.num_prefilled
         assert kv.lengths[i] == cached
+        assert kv.held[i] * kv.block_tokens >= kv.lengths[i]  # every position written is in a block it holds
+    assert kv.held_total == kv.held.sum()
     assert all(o is None for o in kv.owners[kv.used:])
     assert (kv.lengths[kv.used:] == 0).all()
 
@@ -139,23 +170,26 @@ def test_slots_stay_dense_and_memory_fixed_over_a_run(make_engine):
     assert any(m is not None for m in moves)  # sequences left from the middle and slots moved
     assert engine.kv.nbytes == nbytes == engine.stats().kv_bytes
     assert [(id(b), b.ctypes.data, b.shape) for b in engine.kv.buffers] == buffers
-    assert nbytes == 6 * engine.kv.shape.bytes_per_slot
+    assert engine.kv.held_total == 0 and engine.kv.free_blocks == engine.kv.n_blocks - engine.kv.shared()
 
 
-def test_kv_cache_bytes_caps_the_slots(make_engine, engine_bundle):
+def test_kv_cache_bytes_caps_the_tokens_not_the_slots(make_engine, engine_bundle):
     probe = make_engine(max_running=8)
     per_slot = probe.kv.shape.bytes_per_slot
     engine = make_engine(max_running=8, kv_cache_bytes=3 * per_slot + 100, prefix_caching=False)
-    assert engine.kv.n_slots == 3 and engine.kv.nbytes == 3 * per_slot
-    assert engine.stats().kv_slots == 3
-    # the prefix cache is counted in the same budget
-    prefixes = probe.prefixes.nbytes
-    assert prefixes > 0 and probe.stats().prefix_cache_bytes == prefixes
-    assert make_engine(max_running=8, kv_cache_bytes=3 * per_slot + prefixes + 100).kv.n_slots == 3
-    with pytest.raises(ValueError, match="prefix cache"):
-        make_engine(max_running=8, kv_cache_bytes=prefixes)
-    run = drive(engine, [greedy(f"r{i}", [i + 1, 2, 3], 6) for i in range(7)])
-    assert len(run.events) == 7 and not run.errors
+    assert engine.kv.n_slots == 8 and engine.kv.n_blocks == 3 * engine.kv.blocks_per_slot
+    assert engine.kv.nbytes == 3 * per_slot and engine.stats().kv_tokens == 3 * engine.context
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of .*\(--max-context"):
+        make_engine(max_running=8, kv_cache_bytes=per_slot - 1)
+    # short requests take few blocks: all 8 run at once in a cache of 3 contexts
+    engine.add(engine.new_request(greedy("first", [1, 2, 3], 6)))
+    for i in range(7):
+        engine.add(engine.new_request(greedy(f"r{i}", [i + 1, 2, 3], 6)))
+    engine.step()
+    assert engine.stats().running_sequences == 8
+    run = drive(engine)
+    assert len(run.events) == 8 and not run.errors
+    assert engine.kv.free_blocks == engine.kv.n_blocks
 
 
 def test_every_step_fits_the_token_budget_and_long_prompts_are_chunked(make_engine):
@@ -309,7 +343,8 @@ def test_stats_report_the_engine_state(make_engine, engine_model):
     engine = make_engine(max_running=3, max_batch_tokens=30)
     s = engine.stats()
     assert (s.running_requests, s.running_sequences, s.waiting_requests, s.kv_slots, s.kv_free_slots) == (0, 0, 0, 3, 3)
-    assert s.kv_free_tokens == 3 * engine_model.n_ctx and s.generated_tokens == 0 and s.tokens_per_s == 0.0
+    assert s.kv_free_tokens == s.kv_tokens == engine.kv.n_blocks * engine.kv.block_tokens and s.generated_tokens == 0
+    assert s.tokens_per_s == 0.0 and s.preemptions == 0
     engine.add(engine.new_request(sampled("fam", [7, 8], 5, seed=2, n=2, temperature=1.0,
                                           stopping=dict(ignore_eos=True))))
     engine.add(engine.new_request(greedy("a", [1, 2, 3], 10, ignore_eos=True)))
@@ -318,7 +353,9 @@ def test_stats_report_the_engine_state(make_engine, engine_model):
     engine.step()
     s = engine.stats()
     assert (s.running_requests, s.running_sequences, s.waiting_requests, s.kv_free_slots) == (2, 3, 1, 0)
-    assert s.kv_free_tokens == 0 and s.generated_tokens == 3 and s.steps == 1 and s.tokens_per_s > 0
+    held = engine.kv.held_total * engine.kv.block_tokens
+    assert s.kv_free_tokens == s.kv_tokens - held  # the prefix cache's blocks count as free
+    assert s.generated_tokens == 3 and s.steps == 1 and s.tokens_per_s > 0
     drive(engine)
     s = engine.stats()
     assert s.generated_tokens == 2 * 5 + 10 + 3 and s.kv_free_slots == 3 and s.running_requests == 0
@@ -328,7 +365,7 @@ def test_max_context_shortens_every_slot_and_bounds_requests(make_engine):
     full = make_engine(max_running=4)
     short = make_engine(max_running=4, max_context=32)
     assert short.context == 32 and short.kv.shape.max_seq == 32
-    assert short.kv.nbytes * full.context == full.kv.nbytes * 32
+    assert short.kv.blocks_per_slot * full.context == full.kv.blocks_per_slot * 32
     assert short.prefixes.nbytes * full.context == full.prefixes.nbytes * 32  # 4 contexts of the served length
     assert short.limits.max_new_tokens == short.limits.max_prompt_tokens == 31
     requests = [greedy(f"r{i}", [i + 1, 5, 9, 2], 20) for i in range(3)]

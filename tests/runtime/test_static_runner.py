@@ -9,7 +9,6 @@ import pytest
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine
-from service.engine.kv_cache import plan_slots
 from service.runtime.bundle import BundleError
 from service.runtime.concat_runner import ConcatRunner
 from service.runtime.static_runner import CacheShape, StaticRunner
@@ -46,19 +45,18 @@ def test_a_bundle_without_a_serving_graph_says_how_to_fix_it(tiny_bundle, tmp_pa
 def test_kv_capacity_follows_the_memory_budget(tiny_bundle, caplog):
     shape = StaticRunner(tiny_bundle, provider="cpu").cache_shape
     assert shape.bytes_per_slot == 2 * 2 * 4 * 128 * 8 * 4
-    assert plan_slots(shape, 64, None) == 64
-    assert plan_slots(shape, 64, 10 * shape.bytes_per_slot + 1) == 10
-    with pytest.raises(ValueError, match="cannot hold one sequence"):
-        plan_slots(shape, 64, shape.bytes_per_slot - 1)
     caplog.set_level("INFO", logger="service.engine.core")
     engine = Engine(EngineConfig(bundle=tiny_bundle, max_running=32, kv_cache_bytes=5 * shape.bytes_per_slot,
                                  prefix_caching=False))
-    assert engine.kv.n_slots == 5 and engine.kv.nbytes == 5 * shape.bytes_per_slot
-    assert f"({5 * shape.bytes_per_slot} bytes)" in caplog.text  # reported at start-up, in bytes
-    # the prefix cache (4 contexts by default) comes out of the same budget, and is reported beside it
+    assert engine.kv.n_slots == 32 and engine.kv.n_blocks * engine.kv.block_tokens == 5 * shape.max_seq
+    assert engine.kv.nbytes == 5 * shape.bytes_per_slot
+    # reported at start-up: the budget and where it went, and the tokens that fit
+    assert "memory budget" in caplog.text and "physical memory" in caplog.text or "cgroup" in caplog.text
+    assert f"KV cache: {5 * shape.max_seq} tokens" in caplog.text and "5.0 full contexts" in caplog.text
+    # the prefix cache keeps its blocks in the same budget, up to all of it
     engine = Engine(EngineConfig(bundle=tiny_bundle, max_running=32, kv_cache_bytes=9 * shape.bytes_per_slot))
-    assert engine.prefixes.nbytes == 4 * shape.bytes_per_slot and engine.kv.n_slots == 5
-    assert f"prefix cache: {4 * shape.max_seq // 16} blocks x 16 positions" in caplog.text
+    assert engine.prefixes.n_blocks == engine.kv.n_blocks and engine.prefixes.nbytes == 0
+    assert f"prefix cache: up to {9 * shape.max_seq} tokens of it" in caplog.text
 
 
 def test_config_rejects_a_budget_with_no_room_for_prefill(engine_bundle):

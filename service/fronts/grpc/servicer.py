@@ -83,7 +83,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 s = self.serving.engine.stats()
                 info.MergeFrom(pb.ServerInfo(
                     requests_running=s.running_requests, requests_waiting=s.waiting_requests, kv_slots=s.kv_slots,
-                    kv_free_slots=s.kv_free_slots, kv_free_tokens=s.kv_free_tokens, tokens_per_second=s.tokens_per_s))
+                    kv_free_slots=s.kv_free_slots, kv_free_tokens=s.kv_free_tokens, kv_tokens=s.kv_tokens,
+                    tokens_per_second=s.tokens_per_s))
             return info
 
     # ---- plumbing ------------------------------------------------------------------------------
