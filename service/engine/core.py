@@ -119,8 +119,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """Run decode once at the widest batch the engine runs (before any request is added): onnxruntime's
-        first run at a batch size allocates what every narrower batch then reuses, and makes the KV slots it
-        binds resident, so requests do not pay for either (docs/engine.md has the measurements)."""
+        first run at a batch size allocates what every narrower batch then reuses, so requests do not pay for
+        it (docs/engine.md has the measurements)."""
         if self.requests:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()

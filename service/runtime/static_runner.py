@@ -146,9 +146,8 @@ class StaticRunner(GraphRunner):
         """Decode once at `rows` rows, into position 0 of slots [0, rows).
 
         onnxruntime's first run at a batch size allocates buffers sized to it, which narrower batches then
-        reuse, and its attention writes every position of the slots bound to it (docs/engine.md): without
-        this, the requests that widen the batch pay for both. Call it before any sequence holds a slot: it
-        writes position 0 of slots that a prefill then overwrites."""
+        reuse (docs/engine.md): without this, the requests that widen the batch pay for it. Call it before any
+        sequence holds a slot: it writes position 0 of slots that a prefill then overwrites."""
         self.decode(np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
 
     def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
