@@ -26,6 +26,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "replicas": ("replicas", "1, 2 and 3 replicas behind gRPC round robin and nginx: capacity, a rolling update, "
                              "a killed replica"),
     "speculative": ("speculative", "prompt-lookup speculative decoding at batch 1, and what a verification costs"),
+    "startup": ("startup", "attnserve serve from launch to /health 200, first start and restart, by phase; what "
+                           "warming decode up buys"),
 }
 
 

@@ -5,11 +5,13 @@ OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful dra
     attnserve serve --bundle my-bundle --host 0.0.0.0 --max-running 32
 
 Both fronts run in this process's one event loop, on the one engine (`ServingContext`): one model, one
-queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle -> warm up ->
-open the gRPC port, SERVING. On SIGTERM or SIGINT: health NOT_SERVING, the gRPC port closes to new calls
-and new HTTP requests get 503, requests in flight on either front get `grace_period_s` to finish, then
-the process exits 0. A second SIGTERM or SIGINT during the drain ends the requests still in flight at
-once, with the error the end of the grace period would have given them.
+queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle (its graph chosen
+and self-checked, or as `cache_dir` remembers it) -> warm up -> open the gRPC port, SERVING. On SIGTERM or
+SIGINT: health NOT_SERVING, the gRPC port closes to new calls and new HTTP requests get 503, requests in
+flight on either front get `grace_period_s` to finish, then the process exits 0. A second SIGTERM or SIGINT
+during the drain ends the requests still in flight at once, with the error the end of the grace period would
+have given them. A SIGTERM or SIGINT while loading ends the process at once (exit 0): the loading runs on a
+thread of its own, in native calls nothing can interrupt, and the process exits without waiting for it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import threading
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
+from service.engine.core import Engine
 from service.engine.errors import EngineStopped
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.fronts.file_handles import fit_connections
@@ -39,11 +46,13 @@ from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
 from service.fronts.ports import ensure_bindable, port_error
 from service.fronts.serving_context import ServingContext
+from service.runtime.graph_choice import open_serving_graph
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
 
 END_WAIT_S = 2.0  # after the grace period: how long the fronts get to tell clients their requests ended
+LOADING_THREAD = "attnserve-loading"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -61,6 +70,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
         self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
+        self.loading: str | None = "starting up"  # what start-up is doing, for the log; None once serving
         self.port = 0  # the gRPC port, once bound (after the model is warm)
         self.http_port = 0
         self.metrics_port = 0
@@ -92,16 +102,20 @@ class Server:
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         scheme = "https" if credentials else "http"
+        self.loading = "loading the model (its graph chosen and self-checked, or as the cache says)"
         log.info("loading the model%s%s", f"; HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1 "
                  "answers 503 until it is warm" if self.http_port else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
-        engine = self._engine = self._engine or await asyncio.to_thread(AsyncEngine, s.engine_config())
+        engine = self._engine = self._engine or await in_loading_thread(self._load)
         if s.warmup:
-            await asyncio.to_thread(engine.engine.warm_up)  # before the engine thread owns the engine
+            self.loading = "warming up"
+            await in_loading_thread(engine.engine.warm_up)  # before the engine thread owns the engine
         engine.start()
         self.metrics.watch(engine.stats)
         if s.warmup:
+            self.loading = "rehearsing a few requests"
             await rehearse(engine)
+        self.loading = None
         self.serving.attach(engine)
         await self._set_health(SERVING)
         address = f"{s.host}:{s.port}"
@@ -118,6 +132,14 @@ class Server:
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f", HTTP :{self.http_port}" if self.http_port else "")
 
+    def _load(self) -> AsyncEngine:
+        """The engine, its graph opened through the cache of graph choices (`cache_dir`, `recheck`)."""
+        s, config = self.settings, self.settings.engine_config()
+        runner = open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
+                                    config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
+                                    recheck=s.recheck)
+        return AsyncEngine(config, engine=Engine(config, runner))
+
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything.
 
@@ -129,7 +151,8 @@ class Server:
         await self.health.enter_graceful_shutdown()
         closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self.port \
             else None
-        log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.serving.active, grace_s)
+        if self.loading is None:  # (a start-up cut short has nothing in flight)
+            log.info("draining: %d request(s) in flight, up to %.0f s to finish", self.serving.active, grace_s)
         await self._finish_in_flight(grace_s)
         if self.http is not None:
             await self.http.stop()
@@ -174,6 +197,36 @@ class Server:
             await self.health.set(name, status)
 
 
+T = TypeVar("T")
+
+
+async def in_loading_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread of its own, awaited. Loading runs there rather than in the loop's executor,
+    which `asyncio.run` joins before returning: a signal during start-up must not wait for onnxruntime's
+    session creation or runs, which nothing can interrupt (`main` exits without joining the thread)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: object, error: BaseException | None) -> None:
+        if done.done():  # the start-up was cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=LOADING_THREAD, daemon=True).start()
+    return await done
+
+
 async def rehearse(engine: AsyncEngine) -> None:
     """A few requests through the whole path, prefill and decode at a few batch sizes, so the first
     real requests do not pay for what runs once."""
@@ -182,7 +235,7 @@ async def rehearse(engine: AsyncEngine) -> None:
 
     async def one(i: int) -> None:
         request = GenerationRequest(f"warmup-{uuid.uuid4().hex}", list(prompt), SamplingParams(seed=i),
-                                    StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+                                    StoppingCriteria(max_new_tokens=2, ignore_eos=True))  # a prefill, a decode
         async for _ in engine.submit(request):
             pass
 
@@ -200,7 +253,10 @@ async def serve(settings: ServerSettings) -> int:
         if stop.is_set():  # the operator will not wait for the drain
             server.cut_short()
             return
-        log.info("%s received; a second SIGTERM or SIGINT ends the drain at once", sig.name)
+        if server.loading:
+            log.info("%s received while %s: stopping now, without serving", sig.name, server.loading)
+        else:
+            log.info("%s received; a second SIGTERM or SIGINT ends the drain at once", sig.name)
         stop.set()
 
     loop = asyncio.get_running_loop()
@@ -238,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         parser.exit(2, f"attnserve serve: invalid configuration:\n{e}\n")
     logs.setup_logging(settings.log_format, settings.log_level)
-    return asyncio.run(serve(settings))
+    code = asyncio.run(serve(settings))
+    if any(t.name == LOADING_THREAD and t.is_alive() for t in threading.enumerate()):
+        # stopped while loading: the thread is in onnxruntime, whose teardown at a normal exit could meet it
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

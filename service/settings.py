@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -28,6 +29,16 @@ FLAG_ALIASES = {"bundle": ("--model",)}
 
 class SettingsError(ValueError):
     """A setting is invalid; the message says which, where it came from, and what is allowed."""
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/attnserve`, else `~/.cache/attnserve` (read when the settings are built)."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "attnserve"
+    try:
+        return Path.home() / ".cache" / "attnserve"
+    except RuntimeError:  # no home: a user id without a passwd entry, as containers run
+        return Path(tempfile.gettempdir()) / "attnserve-cache"
 
 
 class ServerSettings(BaseSettings, EngineConfig):
@@ -75,7 +86,14 @@ class ServerSettings(BaseSettings, EngineConfig):
     grace_period_s: float = Field(20.0, ge=0)
     """on SIGTERM/SIGINT, how long in-flight requests may finish"""
     warmup: bool = True
-    """run decode at every batch size and a few requests before reporting SERVING"""
+    """run decode at the largest batch size and a few requests before reporting SERVING"""
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    """folder where start-up keeps what it measured about a bundle on this kind of CPU (the self-check's verdict
+    and the graph choice), so that a restart serves the same graph without measuring again; a folder that cannot
+    be written only costs that"""
+    recheck: bool = False
+    """ignore what cache_dir holds for this bundle: self-check (and with graph auto, time) the graphs again, and
+    keep the new outcome"""
     tls_cert_file: Path | None = None
     """PEM certificate chain of the server; with tls_key_file, the gRPC and HTTP ports speak TLS only"""
     tls_key_file: Path | None = None

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +44,14 @@ def pytest_addoption(parser):
                      help="run the engine, runtime, server and CLI tests on this exported bundle instead of the "
                           "tiny models built with torch, and skip the tests that need torch (the serving lane; "
                           "without torch installed, the shipped bundle is used)")
+
+
+def pytest_configure(config):
+    """Servers started by the tests (in-process or as child processes, which inherit the environment) keep their
+    graph choices in a folder of this session's, never in the user's cache."""
+    if "ATTNSERVE_CACHE_DIR" not in os.environ:
+        os.environ["ATTNSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnserve-test-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("ATTNSERVE_CACHE_DIR"), ignore_errors=True))
 
 
 def serving_bundle(config: pytest.Config) -> Path | None:
@@ -377,3 +388,19 @@ def make_engine(engine_bundle) -> Callable[..., Engine]:
         return Engine(EngineConfig(bundle=bundle or engine_bundle, **{**ENGINE_DEFAULTS, **overrides}))
 
     return make
+
+
+@pytest.fixture
+def graph_times(monkeypatch) -> Callable[[dict[str, float]], None]:
+    """graph_times({"static-int8": 1.0}): `--graph auto` times each graph at that many ms a step at every batch
+    size (the others at 10), instead of measuring, so a test decides which graph it picks first."""
+    from service.runtime import graph_choice
+
+    def fix(times: dict[str, float]) -> None:
+        def time_decode(candidates, batch):
+            for c in candidates:
+                c.step_ms = dict.fromkeys(sorted({1, batch}), times.get(c.name, 10.0))
+
+        monkeypatch.setattr(graph_choice, "time_decode", time_decode)
+
+    return fix

@@ -50,7 +50,7 @@ from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
 from service.engine.config import DEFAULT_BUNDLE
 from service.runtime.bundle import read_manifest, write_manifest
 from service.runtime.graph_choice import decode_step_ms
-from service.runtime.self_check import agreement, batch_invariance, logits_at_every_position, probe_sequences
+from service.runtime.self_check import agreement, batch_invariance, logits_at_every_position, sample_probe
 from service.runtime.static_runner import StaticRunner
 
 ONNX_DOC = ROOT / "docs" / "onnx.md"  # the tables also stand where the format is chosen
@@ -105,7 +105,7 @@ def measure_quality(bundle: Path, graphs: list[str], threads: int, held_out: tup
     data, n_ctx = held_out[0], ref.manifest.model.n_ctx
     starts = np.linspace(0, len(data) - prompt_tokens - 1, prompts).astype(int)
     cut = np.stack([data[s:s + prompt_tokens] for s in starts])
-    want, probe = greedy(ref, cut, new_tokens), probe_sequences(ref)
+    want, probe = greedy(ref, cut, new_tokens), sample_probe(ref)
     rows = {}
     for g, runner in runners.items():
         differs = greedy(runner, cut, new_tokens) != want
@@ -120,7 +120,7 @@ def measure_quality(bundle: Path, graphs: list[str], threads: int, held_out: tup
 
 
 def measure_invariance(bundle: Path, graphs: list[str], threads: int) -> dict[str, dict]:
-    probe = probe_sequences(StaticRunner(bundle, REFERENCE, provider="cpu", intra_op_threads=threads))
+    probe = sample_probe(StaticRunner(bundle, REFERENCE, provider="cpu", intra_op_threads=threads))
     return {g: {"batch_invariant": batch_invariance(StaticRunner(bundle, g, provider="cpu", intra_op_threads=threads),
                                                     probe).identical} for g in graphs}
 

@@ -11,6 +11,8 @@ The contract:
   or `kill()` brings it back where its clients look for it, as a Deployment's new pod takes an old one's endpoint.
 - `start()` returns once the gRPC health service says SERVING; it raises `RuntimeError` with the end of the
   log if the child exits first, and stops it and raises if it is not SERVING within `start_timeout_s`.
+  `launch()` starts the child and returns at once, for whoever watches it load (`http_health()`: the status
+  of `GET /health`, 503 while loading).
 - `stop()` sends SIGTERM and waits for the drain and the exit; a child that outlasts `stop_timeout_s` is
   killed, and `stop()` then raises `RuntimeError`. `kill()` is SIGKILL, no drain.
 - Each start writes the child's stdout and stderr (the server's log) to a file of its own in `log_dir`,
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -102,13 +105,19 @@ class ServerProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> ServerProcess:
-        """Start the child and wait until it is SERVING (see the module docstring for the failures)."""
+    def launch(self) -> ServerProcess:
+        """Start the child, with a log of its own, and return at once."""
         path = self.log_dir / f"{self.name}.{len(self.logs) + 1}.log"
         self.logs.append(path)
         with path.open("w") as log:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
+        return self
+
+    def start(self) -> ServerProcess:
+        """Start the child and wait until it is SERVING (see the module docstring for the failures)."""
+        self.launch()
+        path = self.logs[-1]
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -150,6 +159,17 @@ class ServerProcess:
             return check(self.address, timeout_s=1.0)
         except grpc.RpcError as e:
             return e.code().name
+
+    def http_health(self) -> int | None:
+        """The status of the HTTP front's `GET /health` (200 serving, 503 loading or draining), or None while
+        nothing answers on its port."""
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
 
     def metrics(self) -> dict[str, float]:
         """Its counters and gauges, `name{labels}` -> value, from its own /metrics."""

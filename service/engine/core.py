@@ -118,12 +118,14 @@ class Engine:
                  if self.prefixes else "prefix caching off")
 
     def warm_up(self) -> None:
-        """Run the model at every decode batch size it will see (before any request is added):
-        onnxruntime's first run at a new batch size allocates, and requests should not pay for it."""
+        """Run decode once at the widest batch the engine runs (before any request is added): onnxruntime's
+        first run at a batch size allocates what every narrower batch then reuses, so requests do not pay for
+        it (docs/engine.md has the measurements)."""
         if self.requests:
             raise RuntimeError("warm_up() must run before requests are added")
         started = time.perf_counter()
-        self.runner.decode_every_batch_size(self.max_running)
+        self.runner.decode_widest(self.max_running)
+        decode_s = time.perf_counter() - started
         if self.speculation is not None:
             self.speculation.calibrate()
         self.kv.discard_unused()  # what warm-up wrote holds no sequence: its pages go back
@@ -131,8 +133,9 @@ class Engine:
             self.grammars.tokenizer()  # the vocabulary as llguidance sees it, for the first constrained request
         except InvalidRequest as e:
             log.info("%s", e)
-        log.info("warmed up decode at batch sizes 1-%d and the grammar tokenizer in %.1f s", self.max_running,
-                 time.perf_counter() - started)
+        log.info("warmed up decode at batch size %d in %.1f s, then the rest%s in %.1f s", self.max_running,
+                 decode_s, " (speculation's call times, the grammar tokenizer)" if self.speculation else
+                 " (the grammar tokenizer)", time.perf_counter() - started - decode_s)
 
     # ---- requests in and out -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@
     seq2seq_runner.py the encoder-decoder's runner: the encoder once per source, then the decoder's static cache
     chat_template.py  the model's chat template: messages -> prompt text, as transformers renders it
     graph_choice.py   which graph to serve on this CPU (`--graph auto`)
+    choice_cache.py   the graph choice and its self-check kept per bundle, CPU and settings, for restarts
     self_check.py     a graph against the fp32 graph, and for batch invariance, before serving
     seq2seq_check.py  the self-check's probe for an encoder-decoder
     probes.py         what the self-check measures with, for either kind of model: Agreement, Invariance

@@ -55,8 +55,9 @@ class Invariance:
 
 @dataclass(frozen=True)
 class Probes:
-    """How a kind of model is probed: `probe(reference)` makes the probe, `agreement(candidate, reference,
-    probe)` and `batch_invariance(runner, probe)` measure a graph on it."""
+    """How a kind of model is probed: `probe(reference)` makes the probe (what the reference sampled, and the
+    logits it sampled from), `agreement(candidate, reference, probe)` and `batch_invariance(runner, probe)`
+    measure a graph on it."""
 
     probe: Callable
     agreement: Callable

@@ -12,10 +12,13 @@ Two things can make a graph compute other numbers than the one that was verified
   fp32 graph there must reproduce the CPU's logits to `LOGIT_TOLERANCE` of the largest logit.
 
 The probe is text the fp32 graph writes itself: `PROBE_ROWS` sequences sampled at temperature 1
-with a fixed seed, `PROBE_TOKENS` tokens each. Both graphs then score every position of the same
-sequences the way serving runs them: the first half in one prefill, the rest one decode step at a
-time, each reading the cache the steps before wrote (the part another provider could get wrong).
-A check costs a few milliseconds for the default model and leaves no cache attached to either runner.
+with a fixed seed, `PROBE_TOKENS` tokens each, and the logits it sampled them from, at every position (one
+decode step per token, each reading the cache the steps before wrote). The graph checked scores the same
+sequences the way serving runs a prompt: the first half in one prefill, the rest one decode step at a time
+(the part another provider could get wrong). So the reference runs once per probe, however many graphs are
+checked against it; its logits differ from what a prefill of the same positions would give by rounding
+(about 1e-6), far below anything the check measures. A check costs a few milliseconds for the default model
+and leaves no cache attached to either runner.
 
 An encoder-decoder's graphs are probed alike with sources and targets (`seq2seq_check.py`); the probe's size
 and what a probe measures are shared by both (`probes.py`).
@@ -66,9 +69,15 @@ class SelfCheck:
     invariance: Invariance
 
 
-def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
-                    seed: int = PROBE_SEED) -> np.ndarray:
-    """[rows, tokens] ids the reference samples itself, each row from the start of a document."""
+@dataclass
+class Probe:
+    seqs: np.ndarray  # [rows, tokens] ids the reference sampled, each row from the start of a document
+    logits: np.ndarray  # [rows, tokens, vocab] the reference's logits after each position, as it sampled
+
+
+def sample_probe(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
+                 seed: int = PROBE_SEED) -> Probe:
+    """The probe: text the reference samples itself, and its logits at every position."""
     m = reference.manifest.model
     tokens = min(tokens, m.n_ctx)
     sampleable = min(reference.tokenizer.vocab_size, m.vocab_size)
@@ -76,12 +85,18 @@ def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int
     rng = np.random.default_rng(seed)
     with reference.scratch_cache(rows, tokens):
         seqs = np.full((rows, tokens), start, dtype=np.int64)
-        logits = reference.prefill_batch(0, [[start]] * rows)
+        logits = np.empty((rows, tokens, reference.vocab_size), dtype=np.float32)
+        logits[:, 0] = reference.prefill_batch(0, [[start]] * rows)
         for t in range(1, tokens):
-            seqs[:, t] = sample_tokens(logits[:, :sampleable], rng)
-            if t + 1 < tokens:
-                logits = reference.decode(seqs[:, t], np.full(rows, t))
-    return seqs
+            seqs[:, t] = sample_tokens(logits[:, t - 1, :sampleable], rng)
+            logits[:, t] = reference.decode(seqs[:, t], np.full(rows, t))
+    return Probe(seqs, logits)
+
+
+def probe_sequences(reference: StaticRunner, rows: int = PROBE_ROWS, tokens: int = PROBE_TOKENS,
+                    seed: int = PROBE_SEED) -> np.ndarray:
+    """[rows, tokens] ids the reference samples itself, each row from the start of a document."""
+    return sample_probe(reference, rows, tokens, seed).seqs
 
 
 def logits_at_every_position(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
@@ -103,10 +118,11 @@ def served_logits(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
         return out
 
 
-def agreement(candidate: StaticRunner, reference: StaticRunner, seqs: np.ndarray | None = None) -> Agreement:
-    """How closely `candidate` follows `reference` on the probe (or on `seqs`)."""
-    seqs = probe_sequences(reference) if seqs is None else seqs
-    return Agreement.of(served_logits(candidate, seqs), served_logits(reference, seqs))
+def agreement(candidate: StaticRunner, reference: StaticRunner, probe: Probe | None = None) -> Agreement:
+    """How closely `candidate`, scoring the probe as serving runs a prompt, follows the logits `reference`
+    sampled it from (`probe`: made already)."""
+    probe = sample_probe(reference) if probe is None else probe
+    return Agreement.of(served_logits(candidate, probe.seqs), probe.logits)
 
 
 def mixed_batch_logits(runner: StaticRunner, seqs: np.ndarray, lengths: list[int], steps: int) -> np.ndarray:
@@ -122,9 +138,10 @@ def mixed_batch_logits(runner: StaticRunner, seqs: np.ndarray, lengths: list[int
         return out
 
 
-def batch_invariance(runner: StaticRunner, seqs: np.ndarray) -> Invariance:
-    """Whether rows `INVARIANCE_ROWS` of `seqs` get the same logits, bit for bit, alone (batch 1) as in a
-    batch of every row of `seqs`, each prompt of another length."""
+def batch_invariance(runner: StaticRunner, probe: Probe) -> Invariance:
+    """Whether rows `INVARIANCE_ROWS` of the probe get the same logits, bit for bit, alone (batch 1) as in a
+    batch of every row of the probe, each prompt of another length."""
+    seqs = probe.seqs
     rows, tokens = seqs.shape
     half = max(tokens // 2, 1)
     lengths = [max(half - i, 1) for i in range(rows)]
@@ -135,30 +152,31 @@ def batch_invariance(runner: StaticRunner, seqs: np.ndarray) -> Invariance:
     return Invariance.of(alone, together[probed], rows)
 
 
-def check(runner: StaticRunner, reference: StaticRunner | None = None,
-          allow_low_agreement: bool = False) -> SelfCheck:
+def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low_agreement: bool = False,
+          probe=None) -> SelfCheck:
     """Measure `runner` on this machine: its agreement with the fp32 graph (reduced precision, or another
     provider) and its batch invariance. Raises `BundleError` if it disagrees with fp32, unless
     `allow_low_agreement`, which serves it anyway with a warning. `reference`: the bundle's fp32 static
-    graph on the CPU, if already open."""
+    graph on the CPU, if already open; `probe`: the probe it made (`probes_for(reference).probe(reference)`),
+    if made already, so that graphs checked one after another share it."""
     reduced = runner.spec.weights != "float32"
     on_cpu = runner.provider == "CPUExecutionProvider"
     probes = probes_for(runner)
     if not reduced and on_cpu:
-        invariance = probes.batch_invariance(runner, probes.probe(runner))
+        invariance = probes.batch_invariance(runner, probe if probe is not None else probes.probe(runner))
         log.info("self-check: graph %s (fp32 on the CPU, the reference) is %s", runner.graph_name,
                  invariance.describe())
         return SelfCheck(None, invariance)
     reference = reference or open_reference(runner)
-    seqs = probes.probe(reference)
-    result = probes.agreement(runner, reference, seqs)
+    probe = probe if probe is not None else probes.probe(reference)
+    result = probes.agreement(runner, reference, probe)
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
     refusal = _disagreement(runner, reference, result, where)
     if refusal and not allow_low_agreement:
         raise BundleError(refusal)
     if refusal:
         log.warning("serving it anyway (allow_low_agreement): %s", refusal)
-    invariance = probes.batch_invariance(runner, seqs)
+    invariance = probes.batch_invariance(runner, probe)
     log.info("self-check: graph %s (%s weights) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
              "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, runner.spec.weights, where,
              reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff, invariance.describe())
@@ -208,4 +226,4 @@ def open_reference(runner: StaticRunner) -> StaticRunner:
                       "compare it with; re-export it with a current 'attnserve export'")
 
 
-DECODER_PROBES = Probes(probe_sequences, agreement, batch_invariance)
+DECODER_PROBES = Probes(sample_probe, agreement, batch_invariance)

@@ -2,10 +2,11 @@
 
 The probe is `PROBE_ROWS` random sources of mixed lengths, and for each a target the fp32 graph samples
 itself at temperature 1 with a fixed seed, `PROBE_TOKENS` tokens at most (the decoder start token
-first). A graph scores the targets as serving runs them: the sources encoded together and the start
-token decoded (a prefill), then one decode step per target token, each reading the cache the steps
-before wrote. Batch invariance compares rows scored alone with the same rows among all the others,
-whose sources have other lengths, so the encoder's padding is probed too.
+first), with the logits it sampled them from. A graph scores the targets as serving runs them, which is
+how the reference sampled them: the sources encoded together and the start token decoded (a prefill),
+then one decode step per target token, each reading the cache the steps before wrote. Batch invariance
+compares rows scored alone with the same rows among all the others, whose sources have other lengths, so
+the encoder's padding is probed too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SOURCE_LENGTHS = (1, 3, 5, 8, 11, 14, 17, 20)  # one per probe row, cut to the s
 class Probe:
     sources: list[list[int]]
     targets: np.ndarray  # [rows, tokens]: the decoder start token, then what the reference sampled
+    logits: np.ndarray  # [rows, tokens, vocab]: the reference's logits after each target token
 
 
 def probe(reference: Seq2SeqRunner, rows: int = probes.PROBE_ROWS, tokens: int = probes.PROBE_TOKENS,
@@ -37,12 +39,12 @@ def probe(reference: Seq2SeqRunner, rows: int = probes.PROBE_ROWS, tokens: int =
     sources = [rng.integers(low, sampleable, n).tolist() for n in lengths]
     targets = np.full((rows, tokens), m.decoder_start_token_id, dtype=np.int64)
     with reference.scratch_cache(rows, tokens):
-        logits = reference.prefill_batch(0, sources)
+        logits = np.empty((rows, tokens, reference.vocab_size), dtype=np.float32)
+        logits[:, 0] = reference.prefill_batch(0, sources)
         for t in range(1, tokens):
-            targets[:, t] = probes.sample_tokens(logits[:, :sampleable], rng)
-            if t + 1 < tokens:
-                logits = reference.decode(targets[:, t], np.full(rows, t))
-    return Probe(sources, targets)
+            targets[:, t] = probes.sample_tokens(logits[:, t - 1, :sampleable], rng)
+            logits[:, t] = reference.decode(targets[:, t], np.full(rows, t))
+    return Probe(sources, targets, logits)
 
 
 def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.ndarray) -> np.ndarray:
@@ -57,8 +59,8 @@ def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.n
 
 
 def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> probes.Agreement:
-    return probes.Agreement.of(served_logits(candidate, p.sources, p.targets),
-                               served_logits(reference, p.sources, p.targets))
+    """How closely `candidate` follows the logits `reference` sampled the probe from."""
+    return probes.Agreement.of(served_logits(candidate, p.sources, p.targets), p.logits)
 
 
 def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> probes.Invariance:

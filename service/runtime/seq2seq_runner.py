@@ -85,6 +85,12 @@ class Seq2SeqRunner(StaticRunner):
     def _session_for(self, rows: int) -> ort.InferenceSession:
         return self.one_thread[1] if self.one_thread and rows <= SMALL_ROWS else self.session
 
+    def decode_widest(self, rows: int) -> None:
+        """As the decoder-only runner's, for each session a decode of at most `rows` rows runs on."""
+        super().decode_widest(rows)
+        if self.one_thread and rows > SMALL_ROWS:
+            super().decode_widest(SMALL_ROWS)
+
     def slot_state_bytes(self) -> int:
         return sum(a.nbytes for a in self.slot_state(1))
 

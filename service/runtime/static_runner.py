@@ -142,14 +142,13 @@ class StaticRunner(GraphRunner):
             self._buffers = []
             self._decode_bindings = {}
 
-    def decode_every_batch_size(self, max_rows: int) -> None:
-        """Decode once at every batch size up to `max_rows`, into position 0 of each slot.
+    def decode_widest(self, rows: int) -> None:
+        """Decode once at `rows` rows, into position 0 of slots [0, rows).
 
-        onnxruntime's first run at a new batch size allocates buffers sized to it; without this,
-        requests pay for those allocations while the batch grows (docs/engine.md). Call it before any sequence
-        holds a slot: it writes position 0 of slots that a prefill then overwrites."""
-        for n in range(1, max_rows + 1):
-            self.decode(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+        onnxruntime's first run at a batch size allocates buffers sized to it, which narrower batches then
+        reuse (docs/engine.md): without this, the requests that widen the batch pay for it. Call it before any
+        sequence holds a slot: it writes position 0 of slots that a prefill then overwrites."""
+        self.decode(np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
 
     def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""

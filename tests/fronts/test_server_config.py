@@ -51,6 +51,16 @@ def test_precedence_flag_over_env_over_file(tmp_path, monkeypatch):
     assert parse().port == 6000
 
 
+def test_the_graph_choice_cache_lives_under_xdg_cache_home_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert parse().cache_dir == tmp_path / "xdg" / "attnserve" and parse().recheck is False
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert parse().cache_dir == Path.home() / ".cache" / "attnserve"
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert parse("--recheck").cache_dir == tmp_path / "mine" and parse("--recheck").recheck is True
+    assert parse("--cache-dir", str(tmp_path / "flag")).cache_dir == tmp_path / "flag"
+
+
 def test_json_config_file(tmp_path):
     config = tmp_path / "attnserve.json"
     config.write_text(json.dumps({"threads": 2, "metrics_port": 0, "providers": "auto"}))

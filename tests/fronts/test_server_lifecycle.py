@@ -4,6 +4,7 @@ The SIGTERM/SIGINT tests run `attnserve serve` as a real process."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ from attnserve.v1 import generate_pb2 as pb
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service.client import Client, build_request
 from service.client.server_process import ServerProcess
+from tests.conftest import SHIPPED_BUNDLE
 from tests.engine.harness import Gate
 from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, wait_until
 
@@ -250,6 +252,44 @@ def test_sigint_on_an_idle_server_exits_0(engine_bundle, tmp_path):
         srv.proc.send_signal(signal.SIGINT)
         assert srv.wait(30) == 0, srv.log()
         assert srv.log().startswith("{") and '"message": "stopped"' in srv.log()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_loading_ends_the_process_without_waiting_for_the_loading(engine_bundle, tmp_path, sig):
+    """SIGTERM or SIGINT while the model loads (its self-check, each decode step slowed to 0.2 s, so that loading
+    lasts far longer than the test waits): the process stops without waiting for it, says so, and exits 0."""
+    srv = slow_server(engine_bundle, tmp_path, "--cache-dir", str(tmp_path / "cache"), decode_s=0.2)
+    srv.launch()
+    try:
+        wait_until(lambda: srv.http_health() == 503 and "loading the model" in srv.log(), timeout=60,
+                   what="/health to answer 503 while loading")
+        srv.proc.send_signal(sig)
+        returncode = srv.wait(60)
+    finally:
+        srv.kill()
+    log = srv.log()
+    assert returncode == 0, log
+    assert f"{sig.name} received while loading the model" in log and "stopping now, without serving" in log
+    assert "stopped" in log and "draining" not in log and "gRPC on" not in log and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_a_restart_serves_the_graph_its_first_start_chose_without_measuring(tmp_path):
+    """The shipped bundle's first start times its graphs and self-checks its pick, and caches the outcome; a
+    restart on the same cache folder serves the same graph without measuring, and its log says so and where."""
+    cache = tmp_path / "cache"
+    srv = ServerProcess(["--bundle", str(SHIPPED_BUNDLE), "--threads", "1", "--no-warmup", "--cache-dir", str(cache)],
+                        log_dir=tmp_path)
+    with srv:
+        pass
+    with srv:
+        pass
+    first, again = (log.read_text() for log in srv.logs)
+    served = re.search(r"serving (\S+) \(", first)[1]
+    assert "self-check: graph" in first and f"graph choice: cached in {cache}" in first
+    assert "self-check" not in again and f"serving {served} (" in again and "not checked again" in again
+    assert f"cached in {cache}" in again and f"({served} graph): gRPC on" in again
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""`--graph auto`: the fastest graph that passes the self-check; a named graph must pass it too."""
+"""`--graph auto`: the fastest graph that passes the self-check, only the picks checked; a named graph must
+pass it too."""
 
 from __future__ import annotations
 
@@ -6,34 +7,62 @@ import logging
 
 import pytest
 
+from service.runtime import graph_choice
 from service.runtime.bundle import BundleError
 from service.runtime.graph_choice import Candidate, choose, open_serving_graph
+
+
+def choice_line(caplog) -> str:
+    [line] = [r.getMessage() for r in caplog.records if "graph choice on" in r.getMessage()]
+    return line
 
 
 def test_auto_measures_every_serving_graph_and_says_which_it_serves(int8_bundle, caplog):
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
         runner = open_serving_graph(int8_bundle, max_batch=4)
     assert runner.graph_name in ("static", "static-int8") and not runner.attached
-    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
+    line = choice_line(caplog)
     assert f"serving {runner.graph_name} (" in line
     assert "static (float32): " in line and "static-int8 (int8): " in line and "at batch 4" in line
 
 
-def test_auto_never_serves_a_graph_that_fails_the_self_check(wrong_int8_bundle, caplog):
+def test_auto_self_checks_only_the_graph_it_picks(int8_bundle, graph_times, monkeypatch, caplog):
+    checked = []
+    check = graph_choice.check
+
+    def counted(runner, *args, **kwargs):
+        checked.append(runner.graph_name)
+        return check(runner, *args, **kwargs)
+
+    monkeypatch.setattr(graph_choice, "check", counted)
+    graph_times({"static-int8": 1.0})
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        assert open_serving_graph(int8_bundle, max_batch=4).graph_name == "static-int8"
+    assert checked == ["static-int8"]
+    line = choice_line(caplog)
+    assert "serving static-int8 (int8): 1.00 ms at batch 1, 1.00 ms at batch 4; top-1 agreement" in line
+    assert "static (float32): 10.00 ms at batch 1, 10.00 ms at batch 4; not checked" in line
+
+
+def test_auto_never_serves_a_graph_that_fails_the_self_check(wrong_int8_bundle, graph_times, caplog):
+    graph_times({"static-int8": 1.0})  # picked first, refused, then the next pick is checked
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
         runner = open_serving_graph(wrong_int8_bundle, max_batch=4)
     assert runner.graph_name == "static"
     assert any("not serving static-int8" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert "serving static (float32): 10.00 ms at batch 1, 10.00 ms at batch 4; batch-invariant (the only one left" \
+        in choice_line(caplog)
 
 
-def test_auto_never_serves_a_graph_that_is_not_batch_invariant(per_tensor_bundle, caplog):
+def test_auto_never_serves_a_graph_that_is_not_batch_invariant(per_tensor_bundle, graph_times, caplog):
+    graph_times({"static-int8-per-tensor": 1.0})
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
         runner = open_serving_graph(per_tensor_bundle, max_batch=4)
     assert runner.graph_name in ("static", "static-int8")
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "not serving static-int8-per-tensor: it is not batch-invariant on this CPU" in warning
     assert "name it with --graph" in warning
-    [line] = [r.getMessage() for r in caplog.records if "graph choice on" in r.getMessage()]
+    line = choice_line(caplog)
     assert "static-int8 (int8): " in line and "batch-invariant" in line and "per-tensor" not in line
 
 
@@ -58,8 +87,8 @@ def test_a_named_graph_wins_but_must_pass_the_self_check(wrong_int8_bundle):
 def test_a_bundle_with_one_serving_graph_is_served_without_timing(plain_bundle, caplog):
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
         assert open_serving_graph(plain_bundle).graph_name == "static"
-    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
-    assert "serving static (float32): not timed; batch-invariant" in line
+    assert "serving static (float32): not timed; batch-invariant (the bundle's only serving graph" in \
+        choice_line(caplog)
 
 
 def test_a_concat_graph_cannot_be_served(tiny_bundle):
