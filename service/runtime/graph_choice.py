@@ -2,7 +2,9 @@
 
     runner = open_serving_graph(bundle, graph)     # graph: a name, or "auto" (the default)
 
-A named graph is opened and must agree with the fp32 graph (`service.runtime.self_check`); if it does not,
+Only graphs whose KV cache holds `kv_dtype` (float32 unless asked; docs/engine.md#kv-precision) serve: the
+cache's type is a deployment's choice of memory against quality, never made by timing. A named graph is opened
+and must agree with the fp32 graph (`service.runtime.self_check`); if it does not,
 start-up stops, unless `allow_low_agreement` serves it anyway with a warning. A named graph that is not
 batch-invariant is served with one warning line saying what is lost. With "auto", every static-cache
 graph of the bundle is a candidate:
@@ -30,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from service.runtime.bundle import AUTO_GRAPH, BundleError, read_manifest
+from service.runtime.bundle import AUTO_GRAPH, BundleError, KvDtype, read_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import SelfCheck, check
+from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference, precision
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import Provider
 from service.runtime.static_runner import StaticRunner
@@ -62,16 +64,17 @@ class Candidate:
         agreement = self.checked.agreement if self.checked else None
         agreed = f"; top-1 agreement {agreement.top1:.1%}" if agreement else ""
         invariant = "; batch-invariant" if self.checked and self.checked.invariance.identical else ""
-        return f"{self.runner.graph_name} ({self.runner.spec.weights}): {times}{agreed}{invariant}"
+        return f"{self.runner.graph_name} ({precision(self.runner.spec)}): {times}{agreed}{invariant}"
 
 
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
                        max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False,
-                       max_source: int | None = None) -> StaticRunner:
+                       max_source: int | None = None, kv_dtype: KvDtype = "float32") -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
-    (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
-    `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source)."""
+    (at most 32); either with its KV cache in `kv_dtype`. `allow_low_agreement` serves a named graph that
+    disagrees with fp32 (never under auto). `max_source`: the source positions an encoder-decoder's slots hold
+    (default: its longest source)."""
     encoder_decoder = read_manifest(bundle).model.encoder_decoder
     if max_source is not None and not encoder_decoder:
         raise BundleError(f"{bundle} holds a decoder-only model: max_source_tokens applies to encoder-decoders")
@@ -83,16 +86,26 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
 
     if graph != AUTO_GRAPH:
         runner = open_(graph)
+        if runner.spec.cache_dtype != kv_dtype:
+            raise BundleError(f"graph {runner.graph_name!r} keeps its KV cache in {runner.spec.cache_dtype}, not "
+                              f"{kv_dtype}: serve it with --kv-dtype {runner.spec.cache_dtype}")
         if not check(runner, allow_low_agreement=allow_low_agreement).invariance.identical:
             log.warning("graph %s is not batch-invariant on this CPU: a request's tokens, greedy or seeded, can "
                         "change with the other requests in its batch; --graph auto serves only graphs that are",
                         runner.graph_name)
         return runner
     manifest = read_manifest(bundle)
-    names = [name for name, spec in manifest.graphs.items() if spec.cache == "static"]
+    static = {name: spec for name, spec in manifest.graphs.items() if spec.cache == "static"}
+    names = [name for name, spec in static.items() if spec.cache_dtype == kv_dtype]
+    if static and not names:
+        raise BundleError(f"{bundle} has no serving graph with a {kv_dtype} KV cache (it has "
+                          f"{', '.join(f'{n} ({s.cache_dtype})' for n, s in static.items())}); re-export it with "
+                          f"'attnserve export --kv-dtype {kv_dtype}', or serve another --kv-dtype")
     runners = [open_(name) for name in names] if names else [open_(None)]  # no static graph: the runner says so
-    reference = next((r for r in runners if r.spec.weights == "float32" and r.provider == "CPUExecutionProvider"),
+    reference = next((r for r in runners if least_agreement(r.spec) is None and r.provider == "CPUExecutionProvider"),
                      None)
+    if reference is None and kv_dtype != "float32":  # the fp32 graph the candidates are checked against, once
+        reference = open_reference(runners[0])
     candidates = []
     for runner in runners:
         try:
