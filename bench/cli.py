@@ -26,6 +26,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "replicas": ("replicas", "1, 2 and 3 replicas behind gRPC round robin and nginx: capacity, a rolling update, "
                              "a killed replica"),
     "speculative": ("speculative", "prompt-lookup speculative decoding at batch 1, and what a verification costs"),
+    "kv-precision": ("kv_precision", "the KV cache in float32, float16 or int8: the attention op at a real shape "
+                                     "(accepted, exact, speed) and the shipped model's quality"),
 }
 
 
