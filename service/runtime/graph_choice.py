@@ -34,7 +34,7 @@ import numpy as np
 
 from service.runtime.bundle import AUTO_GRAPH, BundleError, KvDtype, read_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference, precision
+from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import Provider
 from service.runtime.static_runner import StaticRunner
@@ -64,7 +64,9 @@ class Candidate:
         agreement = self.checked.agreement if self.checked else None
         agreed = f"; top-1 agreement {agreement.top1:.1%}" if agreement else ""
         invariant = "; batch-invariant" if self.checked and self.checked.invariance.identical else ""
-        return f"{self.runner.graph_name} ({precision(self.runner.spec)}): {times}{agreed}{invariant}"
+        spec = self.runner.spec
+        cache = f", {spec.cache_dtype} KV cache" if spec.cache_dtype != "float32" else ""
+        return f"{self.runner.graph_name} ({spec.weights}{cache}): {times}{agreed}{invariant}"
 
 
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
@@ -98,7 +100,7 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     static = {name: spec for name, spec in manifest.graphs.items() if spec.cache == "static"}
     names = [name for name, spec in static.items() if spec.cache_dtype == kv_dtype]
     if static and not names:
-        raise BundleError(f"{bundle} has no serving graph with a {kv_dtype} KV cache (it has "
+        raise BundleError(f"{bundle} has no serving graph whose KV cache is {kv_dtype} (it has "
                           f"{', '.join(f'{n} ({s.cache_dtype})' for n, s in static.items())}); re-export it with "
                           f"'attnserve export --kv-dtype {kv_dtype}', or serve another --kv-dtype")
     runners = [open_(name) for name in names] if names else [open_(None)]  # no static graph: the runner says so
