@@ -26,6 +26,7 @@ Writes docs/bench/kv_precision.json (or into --out) and its section of docs/BENC
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     shape = {"heads": args.heads, "kv_heads": args.kv_heads, "d_head": args.d_head}
     batches, contexts = [int(x) for x in args.batches.split(",")], [int(x) for x in args.contexts.split(",")]
+    load = [round(x, 1) for x in os.getloadavg()]  # other jobs on a shared machine slow every row of a round alike
     exact = op_exactness(**shape, context=min(contexts), threads=args.threads)
     accepted = [d for d in DTYPES if exact[d]["accepted"]]
     speed = op_speed(**shape, batches=batches, contexts=contexts, prefill=args.prefill, rounds=args.rounds,
@@ -370,9 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in speed:
         print(f"op {row['dtype']:>8} {row['kind']:>7} batch {row['batch']:>2} context {row['context']:>5}: "
               f"{row['ms']:8.3f} ms", flush=True)
-    result = {"machine": describe(), "op": {"shape": shape, "exactness": exact, "speed": speed,
-                                           "bytes_per_token_per_layer": {d: bytes_per_token_per_layer(
-                                               args.kv_heads, args.d_head, d) for d in DTYPES}}}
+    sizes = {d: bytes_per_token_per_layer(args.kv_heads, args.d_head, d) for d in DTYPES}
+    result = {"machine": describe(), "load_average": [load, [round(x, 1) for x in os.getloadavg()]],
+              "op": {"shape": shape, "exactness": exact, "speed": speed, "bytes_per_token_per_layer": sizes}}
     if not args.no_model:
         import tempfile
 
@@ -400,13 +402,16 @@ def render(r: dict, argv: list[str]) -> str:
     op = r["op"]
     s = op["shape"]
     cmd = shown("attnserve bench kv-precision" + (" " + " ".join(argv) if argv else ""))
-    lines = ["## KV cache precision", "", f"`{cmd}` on {machine_line(r['machine'])}.", "",
+    (start, _, _), (end, _, _) = r["load_average"]
+    lines = ["## KV cache precision", "", f"`{cmd}` on {machine_line(r['machine'])}; load average {start} at the "
+             f"start, {end} at the end (other jobs on the machine: times are noisy, read the ratios).", "",
              f"The op: one `GroupQueryAttention`, {s['heads']} query heads, {s['kv_heads']} KV heads of {s['d_head']}, "
              "past and present bound to one buffer. Errors are relative to the largest |output|: a decode step at "
              "batch 8 (rows of other lengths) over random keys and values, and a prefill at batch 2, against float64 "
              "attention over the float32 values (\"vs exact\") and over the values the op holds (\"vs its "
              "values\": the cache as stored, the query and output in the op's type). \"Reads its new K/V\": whether a "
-             "call's own keys and values are read back from the cache as rounded, or as they came in.", "",
+             "call's own keys and values are read back from the cache as rounded, or as they came in (decode/prefill; "
+             "n/a: the op's inputs are already of the cache's type).", "",
              "| cache | bytes/token/layer | accepted | decode vs exact | decode vs its values | prefill vs exact | "
              "prefill vs its values | reads its new K/V | same bits twice | alone = in batch |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -417,7 +422,7 @@ def render(r: dict, argv: list[str]) -> str:
             continue
         dec, pre = e["decode"], e["prefill"]
         read = "/".join("rounded" if c["max_err_vs_its_values"] <= c["max_err_vs_fresh_new_kv"] else "as they came"
-                        for c in (dec, pre)) if d == "int8" else "(same)"
+                        for c in (dec, pre)) if d == "int8" else "n/a"
         twice = all(c["same_bits_twice"] for c in (dec, pre))
         alone = all(c["same_bits_alone"] for c in (dec, pre))
         lines.append(f"| {d} | {size} | yes | {dec['max_err_vs_float64']:.1e} | {dec['max_err_vs_its_values']:.1e} | "
@@ -455,7 +460,7 @@ def render_model(model: dict) -> list[str]:
             "identical greedy | probe top-1 | probe max \\|Δlogit\\| | batch-invariant | ms, batch 1 | ms, batch 32 |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"] + [
         f"| {kv} | `{row['graph']}` | {row['bytes_per_token_per_layer']} | {row['bits_per_char']:.4f} | "
-        f"{row['bits_per_char'] - ref['bits_per_char']:+.4f} | {row['top1_agreement']:.2%} | "
+        f"{row['bits_per_char'] - ref['bits_per_char']:+.5f} | {row['top1_agreement']:.2%} | "
         f"{row['greedy_identical']}/{row['greedy_prompts']} | {row['probe_top1']:.1%} | "
         f"{row['probe_max_abs_diff']:.3g} | "
         f"{'yes' if row['batch_invariant'] else 'no'} | {row['decode_ms_b1']:.2f} | {row['decode_ms_b32']:.2f} |"
