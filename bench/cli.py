@@ -28,6 +28,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "speculative": ("speculative", "prompt-lookup speculative decoding at batch 1, and what a verification costs"),
     "startup": ("startup", "attnserve serve from launch to /health 200, first start and restart, by phase; what "
                            "warming decode up buys"),
+    "kv-precision": ("kv_precision", "the KV cache in float32, float16 or int8: the attention op at a real shape "
+                                     "(accepted, exact, speed) and the shipped model's quality"),
 }
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import onnx
 
-from export.external_data import data_path, load_graph
+from export.external_data import DataFile, copy_initializers, data_path, load_graph
+from export.kv_precision import CALIBRATION_TOKENS, kv_scales, with_kv_cache
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
 from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, optimize, quantize
@@ -22,6 +23,7 @@ from model.config import GPTConfig
 from service.runtime.bundle import (
     TOKENIZER_EXTRAS,
     GraphSpec,
+    KvDtype,
     Manifest,
     ModelSpec,
     TensorSpec,
@@ -38,6 +40,12 @@ GRAPH_FILES = {"static": "model.static.onnx", "static-int8": "model.static.int8.
                "fp32": "model.onnx", "optimized": "model.opt.onnx",
                "int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
 STATIC_VARIANTS = ("static", "static-int8", "static-int8-per-tensor", "static-int4")
+# --kv-dtype: each serving graph again, with its KV cache in fewer bytes (export/kv_precision.py)
+KV_SUFFIXES: dict[KvDtype, str] = {"float16": "kv16", "int8": "kv8"}
+KV_TWINS: dict[str, tuple[str, KvDtype]] = {f"{v}-{suffix}": (v, kv) for v in STATIC_VARIANTS
+                                            for kv, suffix in KV_SUFFIXES.items()}  # twin: (its graph, its cache)
+GRAPH_FILES.update({twin: GRAPH_FILES[v].replace(".onnx", f".{KV_SUFFIXES[kv]}.onnx")
+                    for twin, (v, kv) in KV_TWINS.items()})
 # weight precision of each variant; the others are float32
 WEIGHTS: dict[str, WeightPrecision] = {"static-int8": INT8.weights, "static-int8-per-tensor": INT8_PER_TENSOR.weights,
                                        "static-int4": INT4.weights, "int8": INT8_PER_TENSOR.weights, "fp16": "float16"}
@@ -55,6 +63,14 @@ DESCRIPTIONS = {
             "any CPU), for CPU",
     "fp16": "fp16 throughout, for the CUDA execution provider (untested on a GPU here)",
 }
+KV_DESCRIPTIONS = {"float16": "; its KV cache in float16 (half the memory; the attention runs in float16)",
+                   "int8": "; its KV cache in int8 with fixed per-channel scales (a quarter of the memory)"}
+DESCRIPTIONS.update({twin: DESCRIPTIONS[v] + KV_DESCRIPTIONS[kv] for twin, (v, kv) in KV_TWINS.items()})
+
+
+def kv_variant(variant: str, kv_dtype: KvDtype) -> str:
+    """The name of serving graph `variant` with its KV cache in `kv_dtype`: static-kv16, static-int8-kv8, ..."""
+    return variant if kv_dtype == "float32" else f"{variant}-{KV_SUFFIXES[kv_dtype]}"
 
 
 
@@ -65,16 +81,17 @@ def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
               TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"]),
               TensorSpec(name="seqlens_k", dtype="int32", shape=["batch"]),
               TensorSpec(name="total_sequence_length", dtype="int32", shape=[])]
-    inputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in in_names[4:]]
+    graph, cache = KV_TWINS.get(variant, (variant, "float32"))
+    inputs += [TensorSpec(name=n, dtype=cache, shape=kv) for n in in_names[4:]]
     outputs = [TensorSpec(name="logits", dtype="float32", shape=["batch", "seq", "vocab"])]
-    outputs += [TensorSpec(name=n, dtype="float32", shape=kv) for n in out_names[1:]]
+    outputs += [TensorSpec(name=n, dtype=cache, shape=kv) for n in out_names[1:]]
     return GraphSpec(file=GRAPH_FILES[variant], cache="static", dtype="float32",
-                     weights=WEIGHTS.get(variant, "float32"), description=DESCRIPTIONS[variant],
+                     weights=WEIGHTS.get(graph, "float32"), description=DESCRIPTIONS[variant],
                      inputs=inputs, outputs=outputs)
 
 
 def graph_spec(variant: str, n_layer: int) -> GraphSpec:
-    if variant in STATIC_VARIANTS:
+    if variant in STATIC_VARIANTS or variant in KV_TWINS:
         return static_graph_spec(variant, n_layer)
     dtype = "float16" if variant == "fp16" else "float32"
     in_names, out_names = decoder_io_names(n_layer)
@@ -131,10 +148,34 @@ def weights_hash(model_dir: Path) -> str:
     return sha256_file(model_dir / WEIGHTS_FILE)
 
 
+def write_kv_twins(config: GPTConfig, tokenizer: Tokenizer, out: Path, graphs: list[str],
+                   kv_dtypes: tuple[KvDtype, ...]) -> list[str]:
+    """Each serving graph of `graphs` (written in `out`) again with its KV cache in each of `kv_dtypes`, with its
+    weights copied into its own data file one tensor at a time; an int8 cache's scales come from what the fp32
+    serving graph writes for text it samples itself."""
+    written, scales = [], None
+    for kv in dict.fromkeys(k for k in kv_dtypes if k != "float32"):
+        if kv == "int8" and scales is None:
+            c = config
+            start = c.bos_token_id if c.bos_token_id is not None else c.eos_token_id
+            scales = kv_scales(out / GRAPH_FILES["static"], c.n_layer, min(c.n_ctx, CALIBRATION_TOKENS), start,
+                               min(tokenizer.vocab_size, c.vocab_size))
+        for v in graphs:
+            twin = kv_variant(v, kv)
+            model = with_kv_cache(load_graph(out / GRAPH_FILES[v]), kv, scales, graph_dir=out)
+            with DataFile(out / GRAPH_FILES[twin]) as data:
+                copy_initializers(model, out, data)
+            onnx.save(model, str(out / GRAPH_FILES[twin]))
+            written.append(twin)
+    return written
+
+
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
                   optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False, int4: bool = False,
-                  fp16: bool = False, keep_fp32: bool = True, default: str = "static") -> list[str]:
-    """Write the bundle; returns the graph variants written."""
+                  fp16: bool = False, keep_fp32: bool = True, default: str = "static",
+                  kv_dtypes: tuple[KvDtype, ...] = ()) -> list[str]:
+    """Write the bundle; returns the graph variants written. `kv_dtypes`: each serving graph again with its KV
+    cache in each of these types (`kv_variant`)."""
     if not keep_fp32 and not (optimized or int8 or fp16):
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
                          "a bundle keeps a standard graph")
@@ -154,6 +195,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
     if int4:
         quantize(static, out / GRAPH_FILES["static-int4"], INT4)
         variants.append("static-int4")
+    variants += write_kv_twins(config, tokenizer, out, [v for v in variants if v in STATIC_VARIANTS], kv_dtypes)
     if optimized:
         optimize(fp32, out / GRAPH_FILES["optimized"], config.n_head, config.d_model)
         variants.append("optimized")

@@ -2,6 +2,7 @@
 
     attnserve export models/shakespeare -o models/shakespeare-onnx --verify
     attnserve export models/shakespeare -o /tmp/bundle --optimize --int8 --int4 --fp16 --verify
+    attnserve export models/shakespeare -o /tmp/bundle --int8 --kv-dtype int8 --kv-dtype float16
 
 Every bundle holds the serving graph (`static`: a fixed KV buffer updated in place, the default)
 and the standard graph with a Concat cache (`fp32`, or `optimized`), which other ONNX tools
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int4", action="store_true",
                    help="also write the 4-bit serving graph (CPU; exact integer products on every x86-64 CPU)")
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
+    p.add_argument("--kv-dtype", dest="kv_dtypes", action="append", choices=["float16", "int8"], default=[],
+                   help="also write each serving graph with its KV cache in this type (repeatable): float16 halves "
+                        "the cache, int8 quarters it (served with 'attnserve serve --kv-dtype'; docs/engine.md)")
     p.add_argument("--no-fp32", dest="keep_fp32", action="store_false",
                    help="leave out the standard fp32 graph (its fused or INT8 forms stay; smaller bundle)")
     p.add_argument("--verify", action="store_true", help="compare every fp32 graph with PyTorch")
@@ -55,7 +59,8 @@ def export_encoder_decoder(args: argparse.Namespace) -> int:
     from export.seq2seq_bundle import export_seq2seq_bundle
 
     asked = [flag for flag, on in (("--optimize", args.optimize), ("--int8-per-tensor", args.int8_per_tensor),
-                                   ("--int4", args.int4), ("--fp16", args.fp16)) if on]
+                                   ("--int4", args.int4), ("--fp16", args.fp16),
+                                   ("--kv-dtype", bool(args.kv_dtypes))) if on]
     if asked or args.default != "static":
         print(f"attnserve export: {args.model_dir} is an encoder-decoder model, exported as its fp32 encoder and "
               f"decoder graphs (and with --int8 their INT8 pair); {' '.join(asked) or '--default'} applies to "
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return export_encoder_decoder(args)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
                              int8=args.int8, int8_per_tensor=args.int8_per_tensor, int4=args.int4, fp16=args.fp16,
-                             keep_fp32=args.keep_fp32, default=args.default)
+                             keep_fp32=args.keep_fp32, default=args.default, kv_dtypes=tuple(args.kv_dtypes))
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")
     if not args.verify:

@@ -185,12 +185,13 @@ def lively_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def lively_bundle(tmp_path_factory, lively_model_dir) -> Path:
-    """The lively model exported with the default graphs, `static` (served) and `fp32` (reference), and INT8
-    (`static-int8`, which `--graph auto` may serve)."""
+    """The lively model exported with the default graphs, `static` (served) and `fp32` (reference), INT8
+    (`static-int8`, which `--graph auto` may serve), and each serving graph with its KV cache in float16
+    and in int8 (`static-kv16`, `static-kv8`, `static-int8-kv16`, `static-int8-kv8`: served with `kv_dtype`)."""
     from export.bundle_writer import export_bundle
 
     path = tmp_path_factory.mktemp("engine_bundle")
-    export_bundle(lively_model_dir, path, name="tiny", int8=True)
+    export_bundle(lively_model_dir, path, name="tiny", int8=True, kv_dtypes=("float16", "int8"))
     return path
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.runtime.bundle import AUTO_GRAPH
+from service.runtime.bundle import AUTO_GRAPH, KvDtype
 from service.runtime.memory import check_budget
 
 DEFAULT_BUNDLE = Path(__file__).resolve().parents[2] / "models" / "shakespeare-onnx"
@@ -21,6 +21,10 @@ class EngineConfig(BaseModel):
     graph: str = AUTO_GRAPH
     """graph to serve; auto = the fastest of the bundle's serving graphs that passes the start-up self-check on this
     CPU"""
+    kv_dtype: KvDtype = "float32"
+    """what the KV cache holds: float16 halves its memory, int8 quarters it (the bundle needs a graph exported with
+    attnserve export --kv-dtype; it must pass the start-up self-check against the fp32 graph). graph auto chooses
+    among the graphs with this cache"""
     allow_low_agreement: bool = False
     """serve the graph named by graph even if it fails the start-up agreement check with the fp32 graph (a warning
     says so); for benchmarking untrained weights. Ignored by auto"""

@@ -73,7 +73,7 @@ class Engine:
         self.config = config
         self.runner = runner or open_serving_graph(config.bundle, config.graph, config.providers, config.threads,
                                                    config.max_running, config.allow_low_agreement,
-                                                   config.max_source_tokens)
+                                                   config.max_source_tokens, kv_dtype=config.kv_dtype)
         m = self.runner.manifest.model
         self.model = m
         self.eos_ids = frozenset(m.stop_ids)  # every id that ends generation (Llama 3 has several)

@@ -39,6 +39,7 @@ class TensorSpec(BaseModel):
 
 
 CacheLayout = Literal["concat", "static"]
+KvDtype = Literal["float32", "float16", "int8"]  # what a static graph's KV cache holds (docs/engine.md#kv-precision)
 
 
 WeightPrecision = Literal["float32", "float16", "int8", "int4"]
@@ -48,11 +49,17 @@ ModelKind = Literal["decoder", "encoder-decoder"]
 class GraphSpec(BaseModel):
     file: str  # ONNX file name inside the bundle
     cache: CacheLayout = "concat"  # concat: past in, past+new out; static: one fixed buffer updated in place
-    dtype: Literal["float32", "float16"]  # dtype of logits and the KV cache
+    dtype: Literal["float32", "float16"]  # dtype of the logits, and of the KV cache unless its inputs say otherwise
     weights: WeightPrecision = "float32"  # how the matmul weights are stored; anything but float32 is checked
     description: str  # what this variant is for
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the KV cache holds: the dtype of the graph's first past key input (older bundles: `dtype`)."""
+        past = next((t for t in self.inputs if t.name.startswith("past_key_values.")), None)
+        return past.dtype if past else self.dtype
 
     @model_validator(mode="before")
     @classmethod

@@ -3,8 +3,9 @@
     runner = open_serving_graph(bundle, graph)                    # graph: a name, or "auto" (the default)
     runner = open_serving_graph(bundle, graph, cache_dir=path)    # what it measured, kept for the next start
 
-A named graph is opened and must agree with the fp32 graph (`service.runtime.self_check`); if it does not,
-start-up stops, unless `allow_low_agreement` serves it anyway with a warning. A named graph that is not
+Only graphs whose KV cache holds `kv_dtype` (float32 unless asked; docs/engine.md#kv-precision) serve: the
+cache's type is a deployment's choice of memory against quality, never made by timing. A named graph is opened
+and must agree with the fp32 graph (`service.runtime.self_check`); if it does not, start-up stops, unless `allow_low_agreement` serves it anyway with a warning. A named graph that is not
 batch-invariant is served with one warning line saying what is lost. With "auto", every static-cache
 graph of the bundle is a candidate:
 1. every candidate decodes `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
@@ -43,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from service.runtime.bundle import AUTO_GRAPH, BundleError, read_manifest
+from service.runtime.bundle import AUTO_GRAPH, BundleError, KvDtype, read_manifest
 from service.runtime.choice_cache import CachedChoice, ChoiceCache
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import MIN_AGREEMENT, SelfCheck, check, probes_for
+from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference, precision, probes_for
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import PROVIDER_NAMES, Provider, choose_providers
 from service.runtime.static_runner import StaticRunner
@@ -77,21 +78,22 @@ class Candidate:
 
     def describe(self) -> str:
         times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items()) or "not timed"
+        what = precision(self.runner.spec)
         if self.checked is None:
-            return f"{self.name} ({self.runner.spec.weights}): {times}; not checked"
+            return f"{self.name} ({what}): {times}; not checked"
         agreement = self.checked.agreement
         agreed = f"; top-1 agreement {agreement.top1:.1%}" if agreement else ""
         invariant = "; batch-invariant" if self.checked.invariance.identical else ""
-        return f"{self.name} ({self.runner.spec.weights}): {times}{agreed}{invariant}"
+        return f"{self.name} ({what}): {times}{agreed}{invariant}"
 
 
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
                        max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False,
                        max_source: int | None = None, cache_dir: Path | None = None,
-                       recheck: bool = False) -> StaticRunner:
+                       recheck: bool = False, kv_dtype: KvDtype = "float32") -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
-    (at most 32). `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
+    (at most 32); either with its KV cache in `kv_dtype`. `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
     `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source).
     `cache_dir`: where what was measured is kept for the next start (None: nowhere); `recheck` measures
     again even if it is kept."""
@@ -109,31 +111,42 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
     cache = None
     if cache_dir is not None and choose_providers(provider) == [PROVIDER_NAMES["cpu"]]:
         settings = {"graph": graph, "provider": provider, "threads": threads, "timing_batch": None if named else batch,
-                    "allow_low_agreement": allow_low_agreement and named, "max_source": max_source}
+                    "allow_low_agreement": allow_low_agreement and named, "max_source": max_source,
+                    "kv_dtype": kv_dtype}
         cache = ChoiceCache.of(bundle, cache_dir, settings)
     cached = cache.load(recheck) if cache is not None else None
     if cached is not None:
         return serve_cached(open_(cached.served), cached, cache)
     if named:
         runner = open_(graph)
+        if runner.spec.cache_dtype != kv_dtype:
+            raise BundleError(f"graph {runner.graph_name!r} keeps its KV cache in {runner.spec.cache_dtype}, not "
+                              f"{kv_dtype}: serve it with --kv-dtype {runner.spec.cache_dtype}")
         checked = check(runner, allow_low_agreement=allow_low_agreement)
         warn_if_not_invariant(runner, checked)
         chosen, outcome = runner, CachedChoice(runner.graph_name, {runner.graph_name: checked})
     else:
-        chosen, outcome = choose_and_check(bundle, open_, batch)
+        chosen, outcome = choose_and_check(bundle, open_, batch, kv_dtype)
     if cache is not None:
         cache.store(outcome)
     return chosen
 
 
-def choose_and_check(bundle: Path, open_: Callable[[str | None], StaticRunner],
-                     batch: int) -> tuple[StaticRunner, CachedChoice]:
-    """`--graph auto` (the module docstring): every static graph timed, then picks self-checked until one
-    passes. Returns its runner and what was measured."""
-    names = [name for name, spec in read_manifest(bundle).graphs.items() if spec.cache == "static"]
+def choose_and_check(bundle: Path, open_: Callable[[str | None], StaticRunner], batch: int,
+                     kv_dtype: KvDtype = "float32") -> tuple[StaticRunner, CachedChoice]:
+    """`--graph auto` (the module docstring): every static graph with its KV cache in `kv_dtype` timed, then picks
+    self-checked until one passes. Returns its runner and what was measured."""
+    static = {name: spec for name, spec in read_manifest(bundle).graphs.items() if spec.cache == "static"}
+    names = [name for name, spec in static.items() if spec.cache_dtype == kv_dtype]
+    if static and not names:
+        raise BundleError(f"{bundle} has no serving graph whose KV cache is {kv_dtype} (it has "
+                          f"{', '.join(f'{n} ({s.cache_dtype})' for n, s in static.items())}); re-export it with "
+                          f"'attnserve export --kv-dtype {kv_dtype}', or serve another --kv-dtype")
     runners = [open_(name) for name in names] if names else [open_(None)]  # no static graph: the runner says so
-    reference = next((r for r in runners if r.spec.weights == "float32" and r.provider == "CPUExecutionProvider"),
+    reference = next((r for r in runners if least_agreement(r.spec) is None and r.provider == "CPUExecutionProvider"),
                      None)
+    if reference is None and kv_dtype != "float32":  # the fp32 graph the candidates are checked against, once
+        reference = open_reference(runners[0])
     timed = [Candidate(runner, None, {}) for runner in runners]
     started = time.perf_counter()
     if len(timed) > 1:
@@ -179,7 +192,8 @@ def serve_cached(runner: StaticRunner, cached: CachedChoice, cache: ChoiceCache)
              "cached in %s: not checked again; --recheck checks again)%s", cpu_info().describe(), chosen.describe(),
              cached.checked_at, cache.path, refused)
     agreement = chosen.checked.agreement
-    if agreement is not None and agreement.top1 < MIN_AGREEMENT.get(runner.spec.weights, 1.0):
+    least = least_agreement(runner.spec)
+    if agreement is not None and least is not None and agreement.top1 < least:
         log.warning("serving it anyway (allow_low_agreement): graph %s agreed with the fp32 graph on the top-1 token "
                     "at only %.1f%% of the probe positions when it was checked", runner.graph_name,
                     100 * agreement.top1)

@@ -6,7 +6,8 @@ Two things can make a graph compute other numbers than the one that was verified
   CPU and further off on another (see docs/onnx.md). Such a graph must agree with the bundle's fp32
   graph, run on the CPU, on the most likely next token at `MIN_AGREEMENT[weights]` of the probe
   positions. The thresholds sit well below what a correct graph of that precision measures and
-  well above what a broken one does (docs/onnx.md has both).
+  well above what a broken one does (docs/onnx.md has both). A graph whose KV cache is kept in fewer
+  bytes (float16, int8; docs/engine.md#kv-precision) is held to `MIN_KV_AGREEMENT[cache]` alike.
 - **another execution provider** (CUDA): the KV cache is bound in host memory and written in place
   by the attention node, which holds only if onnxruntime places that node where it can write it. An
   fp32 graph there must reproduce the CPU's logits to `LOGIT_TOLERANCE` of the largest logit.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.runtime.bundle import BundleError
+from service.runtime.bundle import BundleError, GraphSpec
 from service.runtime.cpu import cpu_info
 from service.runtime.probes import (
     INVARIANCE_ROWS,
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 # (docs/onnx.md): 8-bit formats 0.95-0.996, 4-bit 0.84-0.89 (what --int4 writes: 0.86 with AVX-512 and
 # with AVX2 alone); another model's graph far below
 MIN_AGREEMENT = {"int8": 0.90, "int4": 0.80, "float16": 0.95}
+# least top-1 agreement with fp32 for a KV cache kept in fewer bytes, by its type. Measured on the default model
+# (docs/engine.md#kv-precision): float16 100%, int8 99.6%; a graph reduced in both is held to the lower bar
+MIN_KV_AGREEMENT = {"float16": 0.98, "int8": 0.95}
 LOGIT_TOLERANCE = 1e-2  # of the largest logit: TF32 matmuls on a GPU differ from the CPU in the 3rd digit
 
 
@@ -159,7 +163,7 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low
     `allow_low_agreement`, which serves it anyway with a warning. `reference`: the bundle's fp32 static
     graph on the CPU, if already open; `probe`: the probe it made (`probes_for(reference).probe(reference)`),
     if made already, so that graphs checked one after another share it."""
-    reduced = runner.spec.weights != "float32"
+    reduced = least_agreement(runner.spec) is not None
     on_cpu = runner.provider == "CPUExecutionProvider"
     probes = probes_for(runner)
     if not reduced and on_cpu:
@@ -177,8 +181,8 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low
     if refusal:
         log.warning("serving it anyway (allow_low_agreement): %s", refusal)
     invariance = probes.batch_invariance(runner, probe)
-    log.info("self-check: graph %s (%s weights) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
-             "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, runner.spec.weights, where,
+    log.info("self-check: graph %s (%s) %s agrees with fp32 graph %s on the top-1 token at %.1f%% of %d "
+             "probe positions (max |Δlogit| %.3g); %s", runner.graph_name, precision(runner.spec), where,
              reference.graph_name, 100 * result.top1, result.positions, result.max_abs_diff, invariance.describe())
     return SelfCheck(result, invariance)
 
@@ -186,19 +190,36 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low
 def _disagreement(runner: StaticRunner, reference: StaticRunner, result: Agreement, where: str) -> str | None:
     """Why `runner` may not serve, in one line, or None: a reduced-precision graph below its agreement bar,
     or an fp32 graph on another provider that does not reproduce the CPU."""
-    if runner.spec.weights != "float32":
-        least = MIN_AGREEMENT.get(runner.spec.weights, 1.0)
+    least = least_agreement(runner.spec)
+    if least is not None:
         if result.top1 >= least:
             return None
-        return (f"graph {runner.graph_name!r} ({runner.spec.weights} weights) {where} agrees with the fp32 graph "
+        fix = " --kv-dtype float32" if runner.spec.cache_dtype != "float32" else ""
+        if runner.spec.weights != "float32":
+            fix += (f", or re-export the bundle with a current 'attnserve export --{_export_flag(runner)}', whose "
+                    "weights compute alike on every CPU")
+        return (f"graph {runner.graph_name!r} ({precision(runner.spec)}) {where} agrees with the fp32 graph "
                 f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
                 f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
-                f"{reference.graph_name}, or re-export the bundle with a current 'attnserve export "
-                f"--{_export_flag(runner)}', whose weights compute alike on every CPU")
+                f"{reference.graph_name}{fix}")
     if result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
         return None
     return (f"graph {runner.graph_name!r} {where} does not reproduce the CPU (largest logit difference "
             f"{result.max_abs_diff:.3g}, allowed {LOGIT_TOLERANCE * result.scale:.3g}); serve it with provider 'cpu'")
+
+
+def least_agreement(spec: GraphSpec) -> float | None:
+    """The top-1 agreement with fp32 a graph must reach: the lower bar of what it keeps in fewer bits (its
+    weights, its KV cache), or None for a graph in float32 throughout."""
+    bars = [MIN_AGREEMENT.get(spec.weights, 1.0)] if spec.weights != "float32" else []
+    bars += [MIN_KV_AGREEMENT.get(spec.cache_dtype, 1.0)] if spec.cache_dtype != "float32" else []
+    return min(bars) if bars else None
+
+
+def precision(spec: GraphSpec) -> str:
+    """'int8 weights', or with a KV cache in fewer bytes 'float32 weights, float16 KV cache'."""
+    cache = f", {spec.cache_dtype} KV cache" if spec.cache_dtype != "float32" else ""
+    return f"{spec.weights} weights{cache}"
 
 
 def _saturation_note(runner: StaticRunner) -> str:
@@ -218,7 +239,7 @@ def probes_for(runner: StaticRunner) -> Probes:
 def open_reference(runner: StaticRunner) -> StaticRunner:
     """The bundle's fp32 static graph on the CPU: the graph export verified against PyTorch."""
     for name, spec in runner.manifest.graphs.items():
-        if spec.cache == "static" and spec.weights == "float32" and spec.dtype == "float32":
+        if spec.cache == "static" and spec.weights == "float32" and spec.dtype == spec.cache_dtype == "float32":
             if isinstance(runner, Seq2SeqRunner):
                 return Seq2SeqRunner(runner.bundle_dir, name, provider="cpu", max_source=runner.max_source)
             return StaticRunner(runner.bundle_dir, name, provider="cpu")

@@ -27,6 +27,7 @@ from service.runtime.session import GraphRunner, Provider
 # onnxruntime's GroupQueryAttention computes a call's queries in tiles of this many; a last tile of one
 # query rounds differently from the same query inside a tile (measured: docs/engine.md)
 QUERY_TILE = 16
+ONNX_TYPES = {"float32": "float"}  # numpy dtype names that onnxruntime spells otherwise
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class CacheShape:
     n_head: int  # key/value heads: a grouped-query model caches fewer than it has query heads
     d_head: int
     max_seq: int  # positions per slot: the model context
-    dtype: str = "float32"
+    dtype: str = "float32"  # what the graph's cache holds: float32, float16 or int8 (docs/engine.md#kv-precision)
 
     def buffers(self, n_slots: int) -> list[np.ndarray]:
         """Zeroed key and value buffers [n_slots, n_head, max_seq, d_head], in graph order (layer 0 key,
@@ -62,10 +63,14 @@ class StaticRunner(GraphRunner):
             raise BundleError(f"{self.bundle_dir} holds an encoder-decoder model: its decoder graph needs the "
                               "source state that Seq2SeqRunner keeps")
         self.vocab_size = m.vocab_size
-        self.cache_shape = CacheShape(m.n_layer, m.kv_heads, m.d_head, m.n_ctx, self.spec.dtype)
+        self.cache_shape = CacheShape(m.n_layer, m.kv_heads, m.d_head, m.n_ctx, self.spec.cache_dtype)
         self._buffers: list[np.ndarray] = []  # the attached cache
-        inputs, outputs = [i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()]
-        self._past_names, self._present_names = inputs[4:], outputs[1:]
+        inputs, outputs = self.session.get_inputs(), [o.name for o in self.session.get_outputs()]
+        self._past_names, self._present_names = [i.name for i in inputs[4:]], outputs[1:]
+        cache_type = f"tensor({ONNX_TYPES.get(self.cache_shape.dtype, self.cache_shape.dtype)})"
+        if len(inputs) > 4 and inputs[4].type != cache_type:
+            raise BundleError(f"{self.spec.file} keeps its KV cache as {inputs[4].type}, but bundle.json says "
+                              f"{self.cache_shape.dtype}: they do not belong together")
         self.provider = self.session.get_providers()[0]
 
     def slot_state(self, n_slots: int) -> list[np.ndarray]:

@@ -2,7 +2,7 @@
 
 - batched = alone, greedy and seeded sampling, token for token and logprob for logprob (the same bits),
   with requests joining and leaving at different steps and long prompts chunked across steps while
-  others decode, on every graph `--graph auto` may serve;
+  others decode, on every graph `--graph auto` may serve, and with the KV cache in float16 and in int8;
 - the engine's greedy tokens = a plain greedy loop over the standard ONNX graph = PyTorch;
 - reported logprobs = log-softmax of the model's logits.
 
@@ -23,6 +23,7 @@ from tests.engine.harness import check_event_stream, drive, greedy, random_promp
 
 N_CTX = 128
 SERVED_GRAPHS = ("static", "static-int8", "static-int4")  # what --graph auto may serve: each batch-invariant
+KV_GRAPHS = ("static-kv16", "static-kv8")  # the serving graph with its KV cache in float16, in int8 (--kv-dtype)
 
 
 def record_schedules(engine: Engine) -> list[tuple[int, int, int]]:
@@ -65,14 +66,16 @@ def assert_same_events(batched, alone, rid: str, index: int = 0) -> None:
     assert [e.logprob for e in got] == [e.logprob for e in want], rid  # the same bits: batch-invariant
 
 
-@pytest.fixture(params=SERVED_GRAPHS)
+@pytest.fixture(params=SERVED_GRAPHS + KV_GRAPHS)
 def graph(request, engine_bundle) -> dict:
-    """Engine settings serving each graph `--graph auto` may serve that the engine bundle holds. The lively
-    model's weights are drawn to make varied text, not to quantize well: its INT8 graph agrees with fp32 on
-    89% of the self-check's probe, under the 90% asked of a graph `auto` serves, so it is served by name."""
-    if request.param not in read_manifest(engine_bundle).graphs:
+    """Engine settings serving each graph `--graph auto` may serve that the engine bundle holds, and its KV
+    cache twins. The lively model's weights are drawn to make varied text, not to quantize well: its INT8
+    graph agrees with fp32 on 89% of the self-check's probe, under the 90% asked of a graph `auto` serves, so
+    it is served by name."""
+    graphs = read_manifest(engine_bundle).graphs
+    if request.param not in graphs:
         pytest.skip(f"the engine bundle has no {request.param!r} graph")
-    return dict(graph=request.param, allow_low_agreement=True)
+    return dict(graph=request.param, allow_low_agreement=True, kv_dtype=graphs[request.param].cache_dtype)
 
 
 @pytest.mark.parametrize("max_running,max_batch_tokens", [(32, 48), (5, 24)],

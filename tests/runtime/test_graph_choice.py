@@ -96,6 +96,29 @@ def test_a_concat_graph_cannot_be_served(tiny_bundle):
         open_serving_graph(tiny_bundle, graph="fp32")
 
 
+def test_the_kv_cache_type_is_asked_for_never_chosen_by_timing(lively_bundle, caplog):
+    assert open_serving_graph(lively_bundle, max_batch=4).spec.cache_dtype == "float32"  # unless asked
+    with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
+        runner = open_serving_graph(lively_bundle, max_batch=4, kv_dtype="float16")
+    assert runner.graph_name in ("static-kv16", "static-int8-kv16") and runner.cache_shape.dtype == "float16"
+    [line] = [r.getMessage() for r in caplog.records if "graph choice on" in r.getMessage()]
+    assert f"serving {runner.graph_name} (" in line and "float16 KV cache" in line and "kv8" not in line
+
+
+def test_a_named_graph_must_keep_the_kv_cache_asked_for(lively_bundle):
+    with pytest.raises(BundleError, match="graph 'static-kv16' keeps its KV cache in float16, not float32: serve it "
+                                          "with --kv-dtype float16"):
+        open_serving_graph(lively_bundle, graph="static-kv16")
+    assert open_serving_graph(lively_bundle, graph="static-kv16", kv_dtype="float16").graph_name == "static-kv16"
+
+
+def test_a_bundle_without_the_kv_cache_asked_for_says_how_to_write_it(int8_bundle):
+    with pytest.raises(BundleError, match=r"has no serving graph whose KV cache is int8 \(it has static \(float32\), "
+                                          r"static-int8 \(float32\)\); re-export it with 'attnserve export --kv-dtype "
+                                          "int8'"):
+        open_serving_graph(int8_bundle, kv_dtype="int8")
+
+
 class FakeRunner:
     def __init__(self, name: str, weights: str):
         self.graph_name, self.spec = name, type("Spec", (), {"weights": weights})()

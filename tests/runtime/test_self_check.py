@@ -13,6 +13,7 @@ from service.runtime.cpu import cpu_info
 from service.runtime.probes import INVARIANCE_ROWS, PROBE_ROWS, PROBE_TOKENS
 from service.runtime.self_check import (
     MIN_AGREEMENT,
+    MIN_KV_AGREEMENT,
     agreement,
     batch_invariance,
     check,
@@ -121,6 +122,28 @@ def test_a_reduced_graph_without_an_fp32_graph_to_compare_is_refused(int8_bundle
     write_manifest(dst, manifest)
     with pytest.raises(BundleError, match="no fp32 static graph to compare it with"):
         check(StaticRunner(dst, "static-int8", provider="cpu"))
+
+
+def test_a_kv_cache_that_disagrees_with_fp32_is_refused(lively_bundle, tmp_path):
+    """An int8 cache whose scales are 10x too fine saturates (on the shipped model: 33% top-1 agreement); the
+    calibrated one and the float16 one pass."""
+    import onnx
+    from onnx import numpy_helper
+
+    for graph in ("static-kv16", "static-kv8"):
+        runner = StaticRunner(lively_bundle, graph, provider="cpu")
+        assert check(runner).agreement.top1 >= MIN_KV_AGREEMENT[runner.cache_shape.dtype]
+    dst = tmp_path / "bundle"
+    shutil.copytree(lively_bundle, dst)
+    path = dst / read_manifest(dst).graphs["static-kv8"].file
+    graph = onnx.load(str(path))
+    for t in graph.graph.initializer:
+        if t.name.endswith("_scale"):
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) / 10, t.name))
+    onnx.save(graph, str(path))
+    with pytest.raises(BundleError, match=r"graph 'static-kv8' \(float32 weights, int8 KV cache\) on this CPU .* at only "
+                                          r"[\d.]+% of 512 probe positions \(at least 95% is required\); serve --graph static --kv-dtype float32$"):
+        check(StaticRunner(dst, "static-kv8", provider="cpu"))
 
 
 def test_older_manifests_name_their_int8_graphs_by_file(tiny_bundle, tmp_path):
