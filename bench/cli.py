@@ -26,6 +26,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "replicas": ("replicas", "1, 2 and 3 replicas behind gRPC round robin and nginx: capacity, a rolling update, "
                              "a killed replica"),
     "speculative": ("speculative", "prompt-lookup speculative decoding at batch 1, and what a verification costs"),
+    "memory": ("memory", "the KV cache's memory at a real shape: lazy pages against allocate-once, servers with no "
+                         "memory flags under long prompts, llama.cpp's server, a 131k-position model"),
 }
 
 
