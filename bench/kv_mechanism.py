@@ -8,9 +8,10 @@
   (`np.zeros`, which numpy backs with transparent huge pages where the kernel allows them), both
   `[batch, kv heads, positions, d_head]` and attached to the same runner through `StaticRunner.attach`. Keys and
   values are random numbers written straight into the buffers (a step's cost does not depend on them), so no
-  prefill is timed or waited for. Rounds interleave the layouts, each round in the other order; a round's
-  figure is the median of its `steps` timed steps (after one untimed step that builds the IO binding), and
-  the result is the median over rounds.
+  prefill is timed or waited for. Each round runs, per context, the two layouts back to back (which goes first
+  alternates); a run's figure is the median of its `steps` timed steps (after one untimed step that builds the
+  IO binding). The speed ratio is the median over rounds of each round's before/now, so a slow moment of a
+  shared machine falls on both sides of a ratio; the times are medians over rounds.
 - `release_and_residency`: a real `KVCache` at the model's context: this process's resident set
   (/proc/self/statm) before and after writing `positions` positions of a slot and after `KVCache.release`
   gives its pages back; and the time `release` takes, for the last slot (pages only) and for a slot whose
@@ -70,9 +71,9 @@ def decode_ratio(runner: StaticRunner, batch: int, contexts: list[int], position
         fill(buffers, max(contexts), rng)
     per_round: dict[str, dict[int, list[float]]] = {layout: {c: [] for c in contexts} for layout in LAYOUTS}
     for r in range(rounds):
-        for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
-            runner.attach(caches[layout])
-            for context in contexts:
+        for i, context in enumerate(contexts):  # the two layouts back to back, first one then the other first
+            for layout in (LAYOUTS if (r + i) % 2 == 0 else LAYOUTS[::-1]):
+                runner.attach(caches[layout])
                 per_round[layout][context].append(step_ms(runner, batch, context, steps, rng))
         progress(f"decode round {r + 1}/{rounds}: " + ", ".join(
             f"{layout} ctx {c} {per_round[layout][c][-1]:.1f} ms" for layout in LAYOUTS for c in contexts))
@@ -80,11 +81,13 @@ def decode_ratio(runner: StaticRunner, batch: int, contexts: list[int], position
     medians = {layout: {c: statistics.median(v) for c, v in by_context.items()}
                for layout, by_context in per_round.items()}
     now, before = LAYOUTS
+    ratios = {c: [b / n for b, n in zip(per_round[before][c], per_round[now][c], strict=True)] for c in contexts}
     return {"batch": batch, "contexts": contexts, "slot_positions": positions, "rounds": rounds, "steps": steps,
             "graph": runner.graph_name, "round_ms": {layout: {str(c): v for c, v in by.items()}
                                                     for layout, by in per_round.items()},
             "median_ms": {layout: {str(c): v for c, v in by.items()} for layout, by in medians.items()},
-            "speed_ratio": {str(c): medians[before][c] / medians[now][c] for c in contexts}}
+            "round_ratios": {str(c): v for c, v in ratios.items()},
+            "speed_ratio": {str(c): statistics.median(v) for c, v in ratios.items()}}
 
 
 def write_positions(kv: KVCache, slot: int, positions: int) -> None:

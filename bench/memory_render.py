@@ -52,8 +52,9 @@ def mechanism(m: dict, shown) -> list[str]:
     out = ["", "### The mechanism, in-process", "",
            f"`{shown(m['command'])}`: bundle `{m['bundle']}` ({shape}), graph `{d['graph']}`.", "",
            f"Decode step at batch {d['batch']}, every row holding the context's positions (random keys and values), "
-           f"slots of {d['slot_positions']} positions in both layouts, attached to the same runner; median over "
-           f"{d['rounds']} interleaved rounds of each round's median of {d['steps']} steps:", "",
+           f"slots of {d['slot_positions']} positions in both layouts, attached to the same runner. Each of "
+           f"{d['rounds']} rounds runs the two layouts back to back per context ({d['steps']} timed steps each, their "
+           "median); times are medians over rounds, the speed ratio the median of the rounds' ratios:", "",
            "| layout | " + " | ".join(f"context {c}" for c in d["contexts"]) + " |",
            "|---|" + "---|" * len(d["contexts"])]
     for layout in layouts:
