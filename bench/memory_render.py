@@ -105,7 +105,8 @@ def server(part: dict, title: str, shown) -> list[str]:
            "random token ids, all different. TTFT counts the queue behind the other prompts."]
     for run in part["runs"]:
         p = run["plan"]
-        out += ["", f"`{shown(run['command'])}` served `{run['model']['graph']}`: SERVING after "
+        out += ["", f"`{shown(run['command'])}` served `{run['model']['name']}` with the `{run['model']['graph']}` "
+                "graph: SERVING after "
                 f"**{run['startup_s']:.1f} s**; peak RSS **{gib(run['peak_rss_bytes'])}** of a budget of "
                 f"{gib(run['budget_bytes'])} ({'within' if run['within_budget'] else '**beyond**'}). Its log:", "",
                 "```", str(p["budget_line"]), str(p["kv_line"]), "```", "", *HEAD]
@@ -162,7 +163,8 @@ def long_context(part: dict, shown) -> list[str]:
     run = part["runs"][0]
     p = run["plan"]
     ph = next(iter(run["phases"].values()))
-    return out + [f"`{shown(run['command'])}` (context {run['model']['context']:,}) reached SERVING after "
+    return out + [f"`{shown(part['command'])}`: `{shown(run['command'])}` (`{run['model']['name']}`, context "
+                  f"{run['model']['context']:,}, graph `{run['model']['graph']}`) reached SERVING after "
                   f"**{run['startup_s']:.1f} s**; peak RSS **{gib(run['peak_rss_bytes'])}** of "
                   f"{gib(run['budget_bytes'])}. Its log:", "", "```", str(p["budget_line"]), str(p["kv_line"]), "```",
                   "", f"One {ph['prompt_tokens']:,}-token prompt, 16 new tokens: "

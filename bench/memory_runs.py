@@ -250,8 +250,8 @@ class LlamaServed:
     def log_facts(self) -> dict:
         text = self.server.log.read_text(errors="replace")
         found = {key: re.search(pattern, text) for key, pattern in (
-            ("n_ctx", r"n_ctx\s*=\s*(\d+)"), ("n_ctx_seq", r"n_ctx_seq\s*=\s*(\d+)"),
-            ("kv_mib", r"KV (?:self )?size\s*=\s*([\d.]+) MiB"))}
+            ("n_ctx_seq", r"n_ctx_seq \((\d+)\)"), ("n_ctx_slot", r"n_ctx_slot = (\d+)"),
+            ("n_slots", r"n_slots = (\d+)"), ("kv_unified", r"kv_unified = '(\w+)'"))}
         return {k: (m.group(1) if m else None) for k, m in found.items()}
 
     def __exit__(self, *exc) -> None:
