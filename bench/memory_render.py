@@ -109,10 +109,21 @@ def server(part: dict, title: str, shown) -> list[str]:
                 "graph: SERVING after "
                 f"**{run['startup_s']:.1f} s**; peak RSS **{gib(run['peak_rss_bytes'])}** of a budget of "
                 f"{gib(run['budget_bytes'])} ({'within' if run['within_budget'] else '**beyond**'}). Its log:", "",
-                "```", str(p["budget_line"]), str(p["kv_line"]), "```", "", *HEAD]
+                "```", str(p["budget_line"]), str(p["kv_line"]), "```", "", *beyond(run), *HEAD]
         out += [phase_row(describe_phase(name, ph), ph) for name, ph in run["phases"].items()
                 if name != "long_beside_streams"]
     return out
+
+
+def beyond(run: dict) -> list[str]:
+    """The peak's part that is neither the model nor the most KV held, against the activation estimate."""
+    if "peak_beyond_model_and_kv_bytes" not in run:
+        return []
+    p = run["plan"]
+    return [f"At its peak the process held {gib(run['peak_beyond_model_and_kv_bytes'])} beyond the model as loaded "
+            f"({p['model_gib']:.2f} GiB) and the most KV the sequences held ({gib(run['kv_held_max_bytes'])}, from "
+            f"the least `kv_free_tokens` seen): the activations and the arenas, against the log's estimate of "
+            f"{p['activations_gib']:.2f} GiB for the largest step at the full context.", ""]
 
 
 def beside(part: dict) -> list[str]:
@@ -167,7 +178,7 @@ def long_context(part: dict, shown) -> list[str]:
                   f"{run['model']['context']:,}, graph `{run['model']['graph']}`) reached SERVING after "
                   f"**{run['startup_s']:.1f} s**; peak RSS **{gib(run['peak_rss_bytes'])}** of "
                   f"{gib(run['budget_bytes'])}. Its log:", "", "```", str(p["budget_line"]), str(p["kv_line"]), "```",
-                  "", f"One {ph['prompt_tokens']:,}-token prompt, 16 new tokens: "
+                  "", *beyond(run), f"One {ph['prompt_tokens']:,}-token prompt, 16 new tokens: "
                   f"{'completed' if ph['completed'] else '**not completed**'}"
                   f"{' (' + ', '.join(f'{k} {v}' for k, v in ph['errors'].items()) + ')' if ph['errors'] else ''}, "
                   f"TTFT {sec(ph['ttft_s']['p50'])} ({sec(ph['ttft_per_1k_s']['p50'], 2)} per 1k prompt tokens)."]

@@ -34,8 +34,9 @@ from bench.stats import RequestRecord, percentile
 from service.client import Client
 from service.client.server_process import ServerProcess
 
-BUDGET_LINE = re.compile(r"(memory budget ([\d.]+) GiB .*)$", re.M)
-KV_LINE = re.compile(r"(KV cache: (\d+) tokens .*)$", re.M)
+BUDGET_LINE = re.compile(
+    r"(memory budget ([\d.]+) GiB .*model ([\d.]+) GiB resident, activations up to ([\d.]+) GiB.*)$", re.M)
+KV_LINE = re.compile(r"(KV cache: (\d+) tokens \(\d+ blocks of \d+ positions, ([\d.]+) MiB\).*)$", re.M)
 TIMEOUT_S = 4 * 3600.0  # the server-side deadline of each request: a long queue on 2 cores is not a failure
 
 
@@ -81,6 +82,9 @@ class Watch(threading.Thread):
         self.peak = max(self.peak, peak_rss_bytes(self.pid))
         self.done.set()
         self.join(timeout=10)
+
+    def least_free(self) -> int | None:
+        return min((s[3] for s in self.samples if s[3] is not None), default=None)
 
     def during(self, start: float, end: float) -> dict:
         inside = [s for s in self.samples if start <= s[0] <= end]
@@ -179,7 +183,10 @@ class Served:
         info = self.client.server_info()
         return {"budget_line": budget.group(1).strip() if budget else None,
                 "budget_gib": float(budget.group(2)) if budget else None,
+                "model_gib": float(budget.group(3)) if budget else None,
+                "activations_gib": float(budget.group(4)) if budget else None,
                 "kv_line": kv.group(1).strip() if kv else None, "kv_tokens": int(kv.group(2)) if kv else None,
+                "kv_bytes_per_token": float(kv.group(3)) * 2**20 / int(kv.group(2)) if kv else None,
                 "server_info_kv_tokens": info.kv_tokens}
 
     def preemptions(self) -> float:
@@ -211,6 +218,7 @@ class Served:
         self.peak_rss = max(self.watch.peak, peak_rss_bytes(self.server.pid)) if self.watch else 0
         if self.watch:
             self.watch.stop()
+            self.least_free = self.watch.least_free()
         self.client.close()
         self.server.__exit__(*exc)
 

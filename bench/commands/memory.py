@@ -178,6 +178,12 @@ def served_run(args, argv: list[str], log_dir: Path, name: str, items: dict[str,
                      f" (max {ms(b['streams']['itl_during_prefill_s']['max'])})")
         run["phases"] = s.phases
     run["peak_rss_bytes"] = s.peak_rss
+    plan = run["plan"]
+    if s.least_free is not None and plan["kv_tokens"] and plan["model_gib"] is not None:
+        # what the peak holds beyond the model and the most KV the sequences held: the activations, at most
+        held = (plan["kv_tokens"] - s.least_free) * plan["kv_bytes_per_token"]
+        run["kv_held_max_bytes"] = held
+        run["peak_beyond_model_and_kv_bytes"] = s.peak_rss - plan["model_gib"] * GiB - held
     run["log"] = str(s.server.logs[-1])
     run["within_budget"] = bool(s.peak_rss <= run["budget_bytes"])
     progress(f"{name}: peak RSS {s.peak_rss / GiB:.2f} GiB of a {run['budget_bytes'] / GiB:.2f} GiB budget")
