@@ -31,8 +31,8 @@ def render_section(r: dict, machine: str, shown) -> str:
     for part, title in (("server", "A server with no memory flags"), ("budget", "A server with a --memory-budget")):
         if r.get(part):
             lines += server(r[part], title, shown)
-    if r.get("server"):
-        lines += beside(r["server"])
+    if r.get("beside"):
+        lines += beside(r["beside"], shown)
     if r.get("llama"):
         lines += llama(r["llama"], r, shown)
     if r.get("long-context"):
@@ -126,17 +126,17 @@ def beyond(run: dict) -> list[str]:
             f"{p['activations_gib']:.2f} GiB for the largest step at the full context.", ""]
 
 
-def beside(part: dict) -> list[str]:
-    runs = [run for run in part["runs"] if "long_beside_streams" in run["phases"]]
-    if not runs:
-        return []
-    run = runs[0]
+def beside(part: dict, shown) -> list[str]:
+    run = part["runs"][0]
     b = run["phases"]["long_beside_streams"]
     long, streams = b["long"], b["streams"]
     during, before = streams["itl_during_prefill_s"], streams["itl_before_s"]
     return ["", "### A long prompt beside decoding streams", "",
-            f"On the `{run['model']['graph']}` server above: {streams['requests']} streams of 32-token prompts start; "
-            f"once each has its first token, one {long['prompt_tokens']:,}-token prompt (16 new tokens) is sent. It "
+            f"`{shown(part['command'])}`: `{shown(run['command'])}` (`{run['model']['graph']}`; SERVING after "
+            f"{run['startup_s']:.0f} s, peak RSS {gib(run['peak_rss_bytes'])} of {gib(run['budget_bytes'])}). "
+            f"{streams['requests']} streams of 32-token prompts start; "
+            f"once each has its first token, one {long['prompt_tokens']:,}-token prompt (16 new tokens) is sent"
+            f"{'' if b.get('sent_while_streams_ran') else ' (**after a stream had ended**)'}. It "
             f"{'completed' if long['completed'] else '**did not complete**'}: TTFT **{sec(long['ttft_s']['p50'])}** "
             f"({sec(long['ttft_per_1k_s']['p50'], 2)} per 1k prompt tokens), at most "
             f"{b.get('max_running')} requests running, {b.get('preemptions', 0):.0f} preemptions. The streams "

@@ -118,17 +118,23 @@ async def all_at_once(url: str, items: list[workload.Item]) -> list[RequestRecor
 
 async def beside(url: str, long: workload.Item, streams: list[workload.Item]) -> tuple[RequestRecord,
                                                                                        list[RequestRecord]]:
-    """`streams` at once; once each has its first token, `long`. Every record, when all have ended."""
+    """`streams` at once; once each has had its first message, `long`. Every record, when all have ended (a record's
+    arrivals are filled in when its request ends, so the first messages are seen through `send`'s pace callback)."""
     load = HttpLoad(url)
     n = len(streams) + 1
     limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx2.AsyncClient(base_url=load.url, limits=limits, timeout=httpx2.Timeout(TIMEOUT_S + 60)) as http:
+        for response in await asyncio.gather(*(http.get("/health") for _ in range(n))):
+            response.raise_for_status()  # every connection open before the streams start
+        started = [asyncio.Event() for _ in streams]
         records = [RequestRecord(time.perf_counter(), expected_tokens=s.new_tokens, client=i)
                    for i, s in enumerate(streams)]
-        tasks = [asyncio.create_task(load.send(http, completion_body(s, i, None, TIMEOUT_S), r))
-                 for i, (s, r) in enumerate(zip(streams, records, strict=True))]
-        while not all(r.arrivals for r in records) and not all(t.done() for t in tasks):
-            await asyncio.sleep(0.02)
+        tasks = [asyncio.create_task(load.send(http, completion_body(s, i, None, TIMEOUT_S), r,
+                                               pace=lambda _tokens, e=e: e.set()))
+                 for i, (s, r, e) in enumerate(zip(streams, records, started, strict=True))]
+        for task, event in zip(tasks, started, strict=True):
+            task.add_done_callback(lambda _task, event=event: event.set())  # a stream that fails: no waiting on it
+        await asyncio.wait([asyncio.create_task(e.wait()) for e in started])
         long_record = RequestRecord(time.perf_counter(), expected_tokens=long.new_tokens, client=0)
         await load.send(http, completion_body(long, 999, None, TIMEOUT_S), long_record)
         await asyncio.gather(*tasks)
@@ -207,6 +213,7 @@ class Served:
         long_record, records = asyncio.run(beside(self.server.http_url, long, streams))
         first = long_record.sent + (long_record.ttft or 0)
         result = {"long": {**summarize([long_record], [long]), "prompt_tokens": len(long.prompt)},
+                  "sent_while_streams_ran": bool(long_record.sent < min(r.end for r in records)),
                   "streams": {**summarize(records, streams),
                               "itl_during_prefill_s": itl_while(records, long_record.sent, first),
                               "itl_before_s": itl_while(records, 0, long_record.sent)},

@@ -20,12 +20,14 @@ their last results from --out, each with the command that made it):
    static-int8 with --allow-low-agreement, skipped if auto chose it): time to SERVING, the start-up log's budget
    and KV tokens, peak RSS, and two workloads, each submitted at once over /v1/completions: (a) --long-prompts
    prompts of --long-tokens random ids, 16 new tokens each; (b) --mixed-prompts prompts of lengths uniform in
-   --mixed-range, 32 new tokens each. On the last graph's server, a --beside-tokens prompt while --streams
-   short streams decode: its TTFT and the streams' inter-token latency while it is prefilled.
-3. budget: the last graph again with --memory-budget (default 12GiB): the tokens that fit, the same workloads.
-4. llama: `llama-server -m <gguf> -c <context> -np <slots> --kv-unified -t <cores>` on the GGUF of --hf-dir
+   --mixed-range, 32 new tokens each.
+3. beside: the last of --graphs, no memory flags: --streams streams of 32-token prompts decode, and once each has
+   its first message a --beside-tokens prompt is sent: its TTFT, and the streams' inter-token latency while it is
+   prefilled (one chunk of it a step).
+4. budget: the last of --graphs with --memory-budget (default 12GiB): the tokens that fit, the same workloads.
+5. llama: `llama-server -m <gguf> -c <context> -np <slots> --kv-unified -t <cores>` on the GGUF of --hf-dir
    (--llama-precision), the same workloads over its /v1/completions.
-5. long-context: --long-bundle (the llama-131k real shape) with no memory flags: its log, SERVING, and one
+6. long-context: --long-bundle (the llama-131k real shape) with no memory flags: its log, SERVING, and one
    --long-context-tokens prompt.
 
 Every request is a streamed `POST /v1/completions` of token ids with ignore_eos (`bench.serve_http.HttpLoad`),
@@ -49,7 +51,7 @@ from bench.memory_render import ms, render_section
 from service.runtime.memory import budget_bytes, memory_limit
 
 REAL_SHAPES = Path.home() / ".cache" / "attnserve" / "real-shapes"
-PARTS = ("mechanism", "server", "budget", "llama", "long-context")
+PARTS = ("mechanism", "server", "beside", "budget", "llama", "long-context")
 GiB = 2**30
 RATIO_TARGET = 0.9  # the lazy layout's decode speed over the allocated one's
 
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--release-positions", type=int, default=8000)
     g = p.add_argument_group("servers")
     g.add_argument("--graphs", default="auto,static-int8", help="serving graphs of part server, in turn; a graph "
-                   "that auto already served is skipped; the last one serves the long prompt and the budget run")
+                   "that auto already served is skipped; the last one serves parts beside and budget")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra `attnserve serve` argument for every attnserve server")
     g.add_argument("--long-prompts", type=int, default=8)
@@ -129,9 +131,9 @@ def mechanism(args, progress=print) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     positions = min(args.slot_positions, runner.cache_shape.max_seq)
     m = runner.manifest.model
-    result = {"bundle": args.bundle.name, "shape": {"layers": m.n_layer, "d_model": m.d_model, "heads": m.n_head,
-                                                    "kv_heads": m.kv_heads, "d_head": m.d_head, "vocab": m.vocab_size,
-                                                    "context": m.n_ctx},
+    result = {"bundle": m.name, "shape": {"layers": m.n_layer, "d_model": m.d_model, "heads": m.n_head,
+                                          "kv_heads": m.kv_heads, "d_head": m.d_head, "vocab": m.vocab_size,
+                                          "context": m.n_ctx},
               "decode": decode_ratio(runner, args.batch, contexts, positions, args.rounds, args.steps, progress)}
     shape = runner.cache_shape
     del runner
@@ -153,10 +155,9 @@ def serve_args(args, bundle: Path, graph: str, budget: str | None = None) -> lis
 
 
 def served_run(args, argv: list[str], log_dir: Path, name: str, items: dict[str, list[workload.Item]] | None,
-               budget: str | None = None, beside: tuple | None = None, beside_if=lambda graph: True,
-               progress=print) -> dict:
-    """One attnserve server: start-up, its memory plan, the workloads (`items`), peak RSS; and `beside` (the
-    long prompt and its streams) if `beside_if(the graph it serves)`."""
+               budget: str | None = None, beside: tuple | None = None, progress=print) -> dict:
+    """One attnserve server: start-up, its memory plan, the workloads (`items`), `beside` (the long prompt and its
+    streams), peak RSS."""
     from bench.memory_runs import Served
 
     limit = memory_limit()
@@ -170,7 +171,7 @@ def served_run(args, argv: list[str], log_dir: Path, name: str, items: dict[str,
         for phase, phase_items in (items or {}).items():
             s.workload(phase, phase_items)
             progress(f"{name} {phase}: {phase_line(s.phases[phase])}")
-        if beside and beside_if(run["model"]["graph"]):
+        if beside:
             s.long_beside_streams(*beside)
             b = s.phases["long_beside_streams"]
             progress(f"{name} long prompt beside streams: {phase_line(b['long'])}; streams' ITL while it prefills "
@@ -198,7 +199,7 @@ def workloads(args, vocab: int) -> dict[str, list[workload.Item]]:
             "mixed": mixed_items(args.mixed_prompts, lo, hi, 32, vocab, args.seed + 1)}
 
 
-def server_parts(args, result: dict, log_dir: Path, progress=print) -> None:
+def server_parts(args, result: dict, log_dir: Path, save, progress=print) -> None:
     from service.runtime.bundle import read_manifest
 
     manifest = read_manifest(args.bundle)
@@ -210,24 +211,28 @@ def server_parts(args, result: dict, log_dir: Path, progress=print) -> None:
     served_graphs: list[str] = []
     if "server" in args.parts:
         runs = []
-        for i, graph in enumerate(graphs):
-            if served_graphs and graph in served_graphs:
+        for graph in graphs:
+            if graph in served_graphs:
                 progress(f"--graph {graph}: auto already served it")
                 continue
-            rest = graphs[i + 1:]  # the long prompt goes to the last server this loop starts
-            argv = serve_args(args, args.bundle, graph)
-            run = served_run(args, argv, log_dir, f"serve-{graph}", items, beside=beside,
-                             beside_if=lambda served, rest=rest: all(g in (*served_graphs, served) for g in rest),
+            run = served_run(args, serve_args(args, args.bundle, graph), log_dir, f"serve-{graph}", items,
                              progress=progress)
             run["graph_asked"] = graph
             served_graphs.append(run["model"]["graph"])
             runs.append(run)
         result["server"] = {"command": command_line(args), "runs": runs}
+        save()
+    if "beside" in args.parts:
+        run = served_run(args, serve_args(args, args.bundle, graphs[-1]), log_dir, "serve-beside", None,
+                         beside=beside, progress=progress)
+        result["beside"] = {"command": command_line(args), "runs": [run]}
+        save()
     if "budget" in args.parts:
         graph = graphs[-1]
         run = served_run(args, serve_args(args, args.bundle, graph, args.budget), log_dir, "serve-budget", items,
                          budget=args.budget, progress=progress)
         result["budget"] = {"command": command_line(args), "runs": [run]}
+        save()
     if "llama" in args.parts:
         result["llama"] = {"command": command_line(args), **llama_part(args, result, items, progress)}
 
@@ -317,9 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if "mechanism" in args.parts:
             result["mechanism"] = {"command": command_line(args), **mechanism(args)}
             save()
-        if {"server", "budget", "llama"} & set(args.parts):
-            server_parts(args, result, log_dir)
-            save()
+        if {"server", "beside", "budget", "llama"} & set(args.parts):
+            server_parts(args, result, log_dir, save)
         if "long-context" in args.parts:
             result["long-context"] = long_context_part(args, log_dir)
     result["checks"], result["targets"] = checks(result), targets(result)
@@ -340,7 +344,7 @@ def checks(r: dict) -> dict[str, bool]:
     """What must hold (the exit code): every request completes with no error, and no attnserve server's peak RSS
     exceeds its budget."""
     out = {}
-    for part in ("server", "budget", "long-context"):
+    for part in ("server", "beside", "budget", "long-context"):
         for run in (r.get(part) or {}).get("runs", []):
             name = f"{part} {run['model']['graph']}"
             out[f"{name}: every request completed"] = all(

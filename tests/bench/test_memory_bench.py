@@ -10,7 +10,7 @@ import pytest
 from bench.commands import memory
 from bench.peers import llama_cpp
 
-pytestmark = pytest.mark.slow  # starts two servers
+pytestmark = pytest.mark.slow  # starts three servers
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +23,14 @@ def quick_run(tiny_bundle, tmp_path_factory):
 def test_every_request_completes_within_the_budget(quick_run):
     code, result = quick_run
     assert code == 0, result["checks"]
-    for part in ("server", "budget"):
+    for part in ("server", "beside", "budget"):
         (run,) = result[part]["runs"]
         assert run["plan"]["kv_tokens"] == run["plan"]["server_info_kv_tokens"] > 0  # the log and GetServerInfo agree
         assert run["within_budget"]
         for phase in memory.flat_phases(run["phases"]):
             assert phase["completed"] == phase["requests"] and not phase["errors"]
-    assert "long_beside_streams" in result["server"]["runs"][0]["phases"]
+    # whether the streams still ran when the long prompt arrived is timing (a tiny model's streams end in ms): reported
+    assert "sent_while_streams_ran" in result["beside"]["runs"][0]["phases"]["long_beside_streams"]
     assert result["budget"]["runs"][0]["budget_bytes"] == 2**30
 
 
