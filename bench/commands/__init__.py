@@ -7,6 +7,7 @@ with `main(argv)`, each writing docs/bench/<name>.json and its section of docs/B
 - g2p.py               `bench g2p`: the encoder-decoder G2P model against CTranslate2 and transformers
 - hostile.py           `bench hostile`: what hostile clients cost everyone else
 - kv_precision.py      `bench kv-precision`: the KV cache in float32, float16 or int8: op speed, model quality
+- memory.py            `bench memory`: the KV cache's memory at a real shape, servers under long prompts, llama.cpp
 - llama_shape.py       `bench llama-shape`: a random Llama-family model of a real size through import-hf and export
 - onnx_variants.py     `bench onnx-variants`: every graph of a bundle: nodes, batch-1 latency, bits/char
 - prefix_cache.py      `bench prefix-cache`: time to first token with a long cached prefix, against computing it

@@ -5,9 +5,10 @@
 
 Only graphs whose KV cache holds `kv_dtype` (float32 unless asked; docs/engine.md#kv-precision) serve: the
 cache's type is a deployment's choice of memory against quality, never made by timing. A named graph is opened
-and must agree with the fp32 graph (`service.runtime.self_check`); if it does not, start-up stops, unless `allow_low_agreement` serves it anyway with a warning. A named graph that is not
-batch-invariant is served with one warning line saying what is lost. With "auto", every static-cache
-graph of the bundle is a candidate:
+and must agree with the fp32 graph (`service.runtime.self_check`); if it does not, start-up stops, unless
+`allow_low_agreement` serves it anyway with a warning. A named graph that is not batch-invariant is served
+with one warning line saying what is lost. With "auto", every static-cache graph of the bundle with that KV
+cache is a candidate:
 1. every candidate decodes `TIMING_STEPS` steps at batch 1 and at batch `min(max_running, 32)`, in
    `TIMING_ROUNDS` interleaved rounds (so a noisy neighbour slows every candidate alike), at the first
    positions of a cache of its own: a small part of what self-checking it costs;
@@ -93,7 +94,8 @@ def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider
                        recheck: bool = False, kv_dtype: KvDtype = "float32") -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
-    (at most 32); either with its KV cache in `kv_dtype`. `allow_low_agreement` serves a named graph that disagrees with fp32 (never under auto).
+    (at most 32); either with its KV cache in `kv_dtype`. `allow_low_agreement` serves a named graph that
+    disagrees with fp32 (never under auto).
     `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source).
     `cache_dir`: where what was measured is kept for the next start (None: nowhere); `recheck` measures
     again even if it is kept."""

@@ -44,11 +44,12 @@ QUICK = {
     "replicas": ["--bundle", "{bundle}", "--replicas", "1,2", "--rounds", "1", "--clients", "2", "--new-tokens", "4",
                  "--measured", "2", "--skip-roll", "--out", "{out}"],  # the roll and the kill: test_replicas.py
     "startup": ["--bundle", "{bundle}", "--rounds", "1", "--max-running", "4", "--warm-up", "--out", "{out}"],
+    "memory": ["--quick", "--bundle", "{bundle}", "--out", "{out}"],  # llama.cpp and the 131k model skipped
     "g2p": ["--model", "{s2s_model}", "--bundle", "{s2s_bundle}", "--words", "6", "--rounds", "1", "--beam", "2",
             "--work", "{out}/work", "--out", "{out}"],
 }
 SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p", "replicas",
-        "startup"}  # start a server, or export a graph with torch
+        "startup", "memory"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
