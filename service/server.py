@@ -137,7 +137,7 @@ class Server:
         s, config = self.settings, self.settings.engine_config()
         runner = open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
                                     config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
-                                    recheck=s.recheck)
+                                    recheck=s.recheck, kv_dtype=config.kv_dtype)
         return AsyncEngine(config, engine=Engine(config, runner))
 
     async def drain(self, grace_s: float | None = None) -> None:
