@@ -166,6 +166,7 @@ def write_kv_twins(config: GPTConfig, tokenizer: Tokenizer, out: Path, graphs: l
             with DataFile(out / GRAPH_FILES[twin]) as data:
                 copy_initializers(model, out, data)
             onnx.save(model, str(out / GRAPH_FILES[twin]))
+            onnx.checker.check_model(str(out / GRAPH_FILES[twin]))
             written.append(twin)
     return written
 

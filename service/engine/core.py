@@ -111,9 +111,10 @@ class Engine:
         self._deadlines: list[tuple[float, int, RequestState]] = []  # a heap; ended requests leave lazily
         self._arrivals = itertools.count()
         log.info("%s", plan.memory.describe(config.memory_budget))
-        log.info("KV cache: %d tokens (%d blocks of %d positions, %.1f MiB), taken as sequences write them; sequences "
-                 "of up to %d positions (%.1f full contexts), %d at once; %s", plan.tokens, plan.n_blocks,
-                 plan.block_tokens, self.kv.nbytes / 2**20, self.context, plan.tokens / self.context, n_slots,
+        log.info("KV cache: %d tokens (%d blocks of %d positions, %.1f MiB in %s), taken as sequences write them; "
+                 "sequences of up to %d positions (%.1f full contexts), %d at once; %s", plan.tokens, plan.n_blocks,
+                 plan.block_tokens, self.kv.nbytes / 2**20, plan.shape.dtype, self.context, plan.tokens / self.context,
+                 n_slots,
                  f"prefix cache: up to {self.prefixes.n_blocks * self.prefixes.block_tokens} tokens of it"
                  if self.prefixes else "prefix caching off")
 
