@@ -48,7 +48,7 @@ import numpy as np
 from service.runtime.bundle import AUTO_GRAPH, BundleError, KvDtype, read_manifest
 from service.runtime.choice_cache import CachedChoice, ChoiceCache
 from service.runtime.cpu import cpu_info
-from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference, precision, probes_for
+from service.runtime.self_check import SelfCheck, check, least_agreement, open_reference, probes_for
 from service.runtime.seq2seq_runner import Seq2SeqRunner
 from service.runtime.session import PROVIDER_NAMES, Provider, choose_providers
 from service.runtime.static_runner import StaticRunner
@@ -79,7 +79,8 @@ class Candidate:
 
     def describe(self) -> str:
         times = ", ".join(f"{ms:.2f} ms at batch {b}" for b, ms in self.step_ms.items()) or "not timed"
-        what = precision(self.runner.spec)
+        spec = self.runner.spec
+        what = spec.weights + (f", {spec.cache_dtype} KV cache" if spec.cache_dtype != "float32" else "")
         if self.checked is None:
             return f"{self.name} ({what}): {times}; not checked"
         agreement = self.checked.agreement
