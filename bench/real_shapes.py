@@ -16,6 +16,9 @@ Each shape is built as a user would bring a checkpoint:
 
 import-hf and export run as child processes of their own, so the stamp's peak RSS is theirs alone. A step
 whose output the stamp records for the same recipe is not run again; anything else rebuilds the shape.
+`build` with no names builds every shape. The largest, qwen2.5-1.5b (5.1 GiB of fp32 weights), peaked at
+10.7 GiB in import-hf and 6.1 GiB in export (docs/BENCHMARKS.md#export-time-and-peak-memory-at-real-shapes):
+look at the free memory first.
 """
 
 from __future__ import annotations

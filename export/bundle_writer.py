@@ -107,8 +107,9 @@ def graph_spec(variant: str, n_layer: int) -> GraphSpec:
                      description=DESCRIPTIONS[variant], inputs=inputs, outputs=outputs)
 
 
-def make_manifest(c: GPTConfig, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,
+def make_manifest(config: GPTConfig, tokenizer_special: dict[str, int], name: str, opset: int, weights_sha: str,
                   variants: list[str], default: str) -> Manifest:
+    c = config
     spec = ModelSpec(name=name, vocab_size=c.vocab_size, n_ctx=c.n_ctx, n_layer=c.n_layer, n_head=c.n_head,
                      d_model=c.d_model, d_head=c.d_head, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
                      n_kv_head=c.n_kv_head, eos_token_ids=c.eos_token_ids,

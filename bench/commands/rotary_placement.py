@@ -78,7 +78,7 @@ def _bundle_of(model, bundle: Path) -> None:
 
     bundle.mkdir(parents=True)
     shutil.copyfile(DEFAULT_BUNDLE / "tokenizer.json", bundle / "tokenizer.json")
-    write_manifest(bundle, make_manifest(model, {}, "rotary", 17, "-", ["static"], "static"))
+    write_manifest(bundle, make_manifest(model.config, {}, "rotary", 17, "-", ["static"], "static"))
 
 
 def render(r: dict, argv: list[str] | None) -> str:
