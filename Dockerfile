@@ -67,7 +67,8 @@ ENV PATH=/opt/attnserve/bin:$PATH \
     ATTNSERVE_HTTP_PORT=8000 \
     ATTNSERVE_METRICS_PORT=9464 \
     ATTNSERVE_LOG_FORMAT=json \
-    ATTNSERVE_PROVIDERS=auto
+    ATTNSERVE_PROVIDERS=auto \
+    ATTNSERVE_CACHE_DIR=/tmp/attnserve-cache
 USER 10001:10001
 EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["attnserve", "health"]

@@ -1,7 +1,7 @@
 """What start-up measured about a bundle on this kind of machine, kept so that a restart need not measure it again.
 
     cache = ChoiceCache.of(bundle, cache_dir, settings)   # settings: what the choice was made under
-    cached = cache.load()                                # a CachedChoice, or None (the log says why)
+    cached = cache.load(recheck)                         # a CachedChoice, or None (the log says why)
     cache.store(CachedChoice(served="static-int8", checked={...}, refused={...}, step_ms={...}))
 
 The self-check and the graph choice (`graph_choice.py`) give the same answer for the same graphs on the same
@@ -71,13 +71,24 @@ class CachedChoice:
 
     @classmethod
     def from_json(cls, data: dict) -> CachedChoice:
-        checked = {name: SelfCheck(Agreement(**v["agreement"]) if v["agreement"] is not None else None,
-                                   Invariance(**v["invariance"])) for name, v in data["checked"].items()}
+        """The choice `to_json` wrote; ValueError, KeyError or TypeError for anything else."""
+        checked = {str(name): SelfCheck(_agreement(v["agreement"]) if v["agreement"] is not None else None,
+                                        _invariance(v["invariance"])) for name, v in data["checked"].items()}
         if data["served"] not in checked:
             raise ValueError(f"the graph served, {data['served']!r}, has no verdict")
         step_ms = {g: {int(b): float(ms) for b, ms in t.items()} for g, t in data["step_ms"].items()}
         return cls(str(data["served"]), checked, {str(g): str(why) for g, why in data["refused"].items()}, step_ms,
                    str(data["checked_at"]))
+
+
+def _agreement(data: dict) -> Agreement:
+    return Agreement(float(data["top1"]), int(data["positions"]), float(data["max_abs_diff"]), float(data["scale"]))
+
+
+def _invariance(data: dict) -> Invariance:
+    if not isinstance(data["identical"], bool):
+        raise ValueError("a batch invariance verdict that is neither true nor false")
+    return Invariance(data["identical"], int(data["rows"]), int(data["batch"]), float(data["max_abs_diff"]))
 
 
 class ChoiceCache:
@@ -124,6 +135,9 @@ class ChoiceCache:
             if data.get("format") != FORMAT or data.get("key") != self.key:
                 raise ValueError("it was written for another key or format")
             choice = CachedChoice.from_json(data["choice"])
+            spec = read_manifest(self.bundle).graphs.get(choice.served)
+            if spec is None or spec.cache != "static":
+                raise ValueError(f"it names {choice.served!r}, which is not a serving graph of the bundle")
             stale = self._changed_files(data["bundle"])
         except OSError as e:  # a graph file gone or unreadable: opening the bundle reports it
             log.info("graph choice: the bundle's files cannot be compared with the cached ones (%s)", e)

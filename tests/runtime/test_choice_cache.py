@@ -138,7 +138,7 @@ def test_another_cpu_or_other_settings_are_measured_again(tmp_path, measured, mo
 
 
 @pytest.mark.parametrize("damage", ["not JSON", "truncated", "another shape", "a graph without a verdict",
-                                    "another key"])
+                                    "a verdict of other types", "a graph the bundle lacks", "another key"])
 def test_a_cache_file_that_cannot_be_used_is_ignored_and_replaced(tmp_path, measured, caplog, damage):
     cache = tmp_path / "cache"
     serve(SHIPPED_BUNDLE, cache)
@@ -153,6 +153,14 @@ def test_a_cache_file_that_cannot_be_used_is_ignored_and_replaced(tmp_path, meas
         entry.write_text(json.dumps({**data, "choice": [1, 2, 3], "bundle": "x"}))
     elif damage == "a graph without a verdict":
         entry.write_text(json.dumps({**data, "choice": {**data["choice"], "served": "static-int4"}}))
+    elif damage == "a verdict of other types":
+        verdict = data["choice"]["checked"][data["choice"]["served"]]
+        verdict["invariance"]["identical"] = "yes"
+        entry.write_text(json.dumps(data))
+    elif damage == "a graph the bundle lacks":
+        served = data["choice"]["served"]
+        checked = {**data["choice"]["checked"], "static-int9": data["choice"]["checked"][served]}
+        entry.write_text(json.dumps({**data, "choice": {**data["choice"], "served": "static-int9", "checked": checked}}))
     else:
         entry.write_text(json.dumps({**data, "key": {**data["key"], "check_code": "0" * 64}}))
     measured.clear()
