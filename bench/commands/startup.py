@@ -6,8 +6,9 @@ what warming decode up buys.
 
 - **start-up**: each round starts the server with an empty cache folder of its own (a first start: the graphs
   timed and the pick self-checked), stops it, and starts it again on that folder (a restart: the choice read
-  from the cache). Each start is timed from the process's launch to `GET /health` 200, and split into phases by
-  its log's timestamps. Medians over the rounds, first starts and restarts interleaved.
+  from the cache). Each start is timed from the process's launch to `GET /health` 200, with the CPU time the
+  server took to get there (a machine's other load stretches the wall time far more than that), and split
+  into phases by its log's timestamps. Medians over the rounds, first starts and restarts interleaved.
 - **warm-up** (`--warm-up`): in a child process per way of warming, the graph the server chose, bound to a KV
   cache of the server's shape (`--max-running` slots of `--max-context` positions): the warm-up's time, then at
   a few batch sizes the first decode's time and the next one's, which is what a request that widens the batch
@@ -19,6 +20,7 @@ what warming decode up buys.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -41,7 +43,8 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def time_start(srv: ServerProcess, timeout_s: float = 1800.0) -> dict:
-    """Launch `srv`, wait for `GET /health` 200, stop it; its time to serve and its phases (s)."""
+    """Launch `srv`, wait for `GET /health` 200, stop it; its time to serve, the CPU time it took (every thread's,
+    user and system: what a busy machine's neighbours do not inflate as they do the wall time) and its phases."""
     launched = time.time()
     srv.launch()
     deadline = time.monotonic() + timeout_s
@@ -50,9 +53,15 @@ def time_start(srv: ServerProcess, timeout_s: float = 1800.0) -> dict:
             srv.kill()
             raise RuntimeError(f"the server did not serve; its log: {srv.logs[-1]}\n{srv.log()[-3000:]}")
         time.sleep(0.05)
-    serving = time.time() - launched
+    serving, cpu = time.time() - launched, cpu_seconds(srv.pid)
     srv.stop()
-    return {"to_health_200_s": serving, **phases(srv.log(), launched)}
+    return {"to_health_200_s": serving, "cpu_s": cpu, **phases(srv.log(), launched)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far, every thread's, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def phases(log: str, launched: float) -> dict:
@@ -137,15 +146,17 @@ def medians(runs: list[dict], key: str) -> float | None:
 def markdown(result: dict) -> str:
     lines = [f"## Start-up: {result['name']}", "",
              f"`{shown(result['command'])}` on {machine_line(result['machine'])}; {result['rounds']} rounds, medians.",
-             "", "Start to `GET /health` 200, and its phases from the server's log (s):", "",
-             "| start | to /health 200 | " + " | ".join(name for name, _ in PHASES) + " | graph |",
-             "|---|---|" + "---|" * len(PHASES) + "---|"]
+             "", "Start to `GET /health` 200, the CPU time the server took to get there (every thread's, user and "
+             "system), and its phases from the server's log (s):", "",
+             "| start | to /health 200 | CPU time | " + " | ".join(name for name, _ in PHASES) + " | graph |",
+             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
     for start, runs in result["start_up"].items():
         cells = [f"{medians(runs, name):.1f}" if medians(runs, name) is not None else "" for name, _ in PHASES]
         graph = runs[-1]["graph"] or "?"
         how = " (cached)" if runs[-1]["cached"] else f" (timed {medians(runs, 'graphs timed') or 0:.1f} s, " \
               f"self-checked {medians(runs, 'graph self-checked') or 0:.1f} s)"
-        lines.append(f"| {start} | **{medians(runs, 'to_health_200_s'):.1f}** | {' | '.join(cells)} | {graph}{how} |")
+        lines.append(f"| {start} | **{medians(runs, 'to_health_200_s'):.1f}** | {medians(runs, 'cpu_s'):.1f} | "
+                     f"{' | '.join(cells)} | {graph}{how} |")
     warm = result.get("warm_up")
     if warm:
         ways = warm["runs"]
