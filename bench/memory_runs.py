@@ -112,8 +112,9 @@ def summarize(records: list[RequestRecord], items: list[workload.Item]) -> dict:
             "wall_s": max((r.end for r in records), default=0) - min((r.sent for r in records), default=0)}
 
 
-async def all_at_once(url: str, items: list[workload.Item]) -> list[RequestRecord]:
-    return await HttpLoad(url).drive([[item] for item in items], timeout_s=TIMEOUT_S, stagger=False)
+async def all_at_once(url: str, items: list[workload.Item], timeout_s: float = TIMEOUT_S) -> list[RequestRecord]:
+    """Every item at once; a stream silent for `timeout_s` (+ the load's grace) ends as an error (ReadTimeout)."""
+    return await HttpLoad(url).drive([[item] for item in items], timeout_s=timeout_s, stagger=False)
 
 
 async def beside(url: str, long: workload.Item, streams: list[workload.Item]) -> tuple[RequestRecord,
@@ -255,9 +256,9 @@ class LlamaServed:
         slots = httpx2.get(f"{self.server.url}/slots", timeout=5).json()
         return sum(1 for s in slots if s.get("is_processing")), None
 
-    def workload(self, name: str, items: list[workload.Item]) -> dict:
+    def workload(self, name: str, items: list[workload.Item], timeout_s: float = TIMEOUT_S) -> dict:
         started = time.perf_counter()
-        records = asyncio.run(all_at_once(self.server.url, items))
+        records = asyncio.run(all_at_once(self.server.url, items, timeout_s))
         result = {**summarize(records, items), **self.watch.during(started, time.perf_counter())}
         self.phases[name] = result
         return result

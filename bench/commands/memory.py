@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None):
     g.add_argument("--llama-context", type=int, help="-c: total KV cells (default: the tokens attnserve's budget "
                                                      "run held, at most what fits in half the available memory)")
     g.add_argument("--llama-slots", type=int, default=32)
+    g.add_argument("--llama-timeout-s", type=float, default=1800.0, help="a llama.cpp stream silent this long (its "
+                   "prompt not yet prefilled) ends as an error: on a busy machine its threads can crawl")
     g.add_argument("--llama-work", type=Path, default=Path("runs") / "llama-cpp-memory")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where memory.json goes")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
@@ -195,8 +197,9 @@ def workloads(args, vocab: int) -> dict[str, list[workload.Item]]:
     from bench.memory_runs import mixed_items
 
     lo, hi = (int(x) for x in args.mixed_range.split(","))
-    return {"long": workload.fixed(args.long_prompts, args.long_tokens, 16, vocab, args.seed),
-            "mixed": mixed_items(args.mixed_prompts, lo, hi, 32, vocab, args.seed + 1)}
+    items = {"long": workload.fixed(args.long_prompts, args.long_tokens, 16, vocab, args.seed),
+             "mixed": mixed_items(args.mixed_prompts, lo, hi, 32, vocab, args.seed + 1)}
+    return {name: some for name, some in items.items() if some}  # --long-prompts 0 or --mixed-prompts 0: not run
 
 
 def server_parts(args, result: dict, log_dir: Path, save, progress=print) -> None:
@@ -266,12 +269,13 @@ def llama_part(args, result: dict, items: dict, progress=print) -> dict:
     threads = llama_cpp.cores()
     log = args.llama_work / f"{gguf.stem}-memory-server.log"
     out = {"precision": args.llama_precision, "gguf": gguf.name, "context": context, "context_wanted": wanted,
-           "slots": args.llama_slots, "threads": threads, "versions": llama_cpp.versions(bin_dir)}
+           "slots": args.llama_slots, "threads": threads, "versions": llama_cpp.versions(bin_dir),
+           "timeout_s": args.llama_timeout_s}
     with LlamaServed(bin_dir, gguf, context, args.llama_slots, threads, log) as server:
         out.update(command=server.command, startup_s=server.startup_s)
         progress(f"llama.cpp: `{server.command}` ready after {server.startup_s:.1f} s")
         for phase, phase_items in items.items():
-            server.workload(phase, phase_items)
+            server.workload(phase, phase_items, args.llama_timeout_s)
             progress(f"llama.cpp {phase}: {phase_line(server.phases[phase])}")
         out["phases"] = server.phases
         out["log_facts"] = server.log_facts()
