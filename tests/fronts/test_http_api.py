@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -442,7 +443,14 @@ def test_a_client_that_disconnects_frees_its_slot(engine_bundle, stream):
 
 def test_503_while_loading_then_200_then_503_while_draining(engine_bundle):
     s = settings(engine_bundle, http_port=free_port(), warmup=True)
-    srv = ServerThread(s, engine=engine_for(s, slowed(0.02)), start=False)
+    warming = threading.Event()  # the warm-up waits for it: the server is loading until the test says
+
+    def held(engine) -> None:
+        slowed(0.02)(engine)
+        warm_up = engine.warm_up
+        engine.warm_up = lambda: (warming.wait(60), warm_up())
+
+    srv = ServerThread(s, engine=engine_for(s, held), start=False)
     try:
         starting = srv.start_async()
         wait_until(lambda: srv.server.http_port, 10, "the HTTP port")
@@ -450,6 +458,7 @@ def test_503_while_loading_then_200_then_503_while_draining(engine_bundle):
         r = raw(srv, "POST", "/v1/completions", {"prompt": PROMPT})
         assert health.status_code == 503 and health.json() == {"status": "loading"}
         assert r.status_code == 503 and error_of(r)["type"] == "service_unavailable"
+        warming.set()
         starting.result(60)
         assert raw(srv, "GET", "/health").status_code == 200
         with httpx2.Client(base_url=srv.http_url, timeout=60) as h, h.stream(
