@@ -84,14 +84,17 @@ def test_the_rotary_tables_go_into_float16_with_the_attention(llama_kv_bundle):
 def test_the_runner_and_the_engine_hold_the_cache_in_its_type(bundle, graph):
     kv = TWINS[graph]
     assert StaticRunner(bundle, graph, provider="cpu").cache_shape.dtype == kv
-    settings = dict(bundle=bundle, max_running=4, prefix_cache_tokens=64)
+    full = Engine(EngineConfig(bundle=bundle, max_running=4))
+    settings = dict(bundle=bundle, max_running=4, kv_cache_bytes=64 * full.kv.block_bytes)
     full = Engine(EngineConfig(**settings))
     engine = Engine(EngineConfig(**settings, graph=graph, kv_dtype=kv, allow_low_agreement=True))
     assert engine.runner.graph_name == graph
     assert {b.dtype for b in engine.kv.buffers} == {np.dtype(kv)}
     assert {b.dtype for b in engine.prefixes.pool} == {np.dtype(kv)}
-    assert engine.kv.nbytes * ITEMSIZE["float32"] == full.kv.nbytes * ITEMSIZE[kv]  # half, a quarter
-    assert engine.prefixes.nbytes * ITEMSIZE["float32"] == full.prefixes.nbytes * ITEMSIZE[kv]
+    assert engine.kv.block_bytes * ITEMSIZE["float32"] == full.kv.block_bytes * ITEMSIZE[kv]  # half, a quarter
+    assert engine.prefixes.block_bytes * ITEMSIZE["float32"] == full.prefixes.block_bytes * ITEMSIZE[kv]
+    # the same memory holds twice, four times the tokens
+    assert engine.kv.n_blocks * ITEMSIZE[kv] == full.kv.n_blocks * ITEMSIZE["float32"] == 64 * 4
 
 
 @pytest.mark.parametrize("graph,largest_diff,least_top1", [("static-kv16", 0.05, 0.98), ("static-kv8", 0.6, 0.85)])
