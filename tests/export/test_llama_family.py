@@ -43,7 +43,8 @@ def test_the_graphs_match_pytorch_and_the_cache_holds_only_kv_heads(family_bundl
     assert (m.architecture, m.n_head, m.kv_heads) == ("llama", 4, hf.config.num_key_value_heads)
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64))
     assert engine.kv.shape.n_head == hf.config.num_key_value_heads  # not the 4 query heads
-    assert engine.kv.nbytes == 4 * 2 * 2 * m.kv_heads * 128 * 16 * 4  # slots x K,V x layers x heads x ctx x d_head
+    assert engine.kv.shape.bytes_per_slot == 2 * 2 * m.kv_heads * 128 * 16 * 4  # K,V x layers x heads x ctx x d_head
+    assert [b.shape for b in engine.kv.buffers] == [(4, m.kv_heads, 128, 16)] * 4
 
 
 def test_served_greedy_tokens_alone_and_batched_equal_transformers(family_bundle):
