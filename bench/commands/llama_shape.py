@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 refused[graph] = str(e)
                 print(f"{graph}: not served: {e}")
                 continue
-            kv_mib = engine.kv.nbytes / 2**20
+            kv_mib = engine.kv.n_slots * engine.kv.shape.bytes_per_slot / 2**20  # every slot full (address space)
             engine.warm_up()
             throughput(engine, 2, args.prompt_tokens, 4, seed=99)
             for c in levels:
