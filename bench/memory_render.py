@@ -153,10 +153,10 @@ def llama(part: dict, r: dict, shown) -> list[str]:
     if part.get("skipped"):
         return out + [f"Skipped: {part['skipped']}."]
     v = part["versions"]
-    out += [f"`{shown(part['command'])}`: `{part['command']}` (llama.cpp {v['llama.cpp']}), the GGUF "
+    out += [f"`{shown(part['command'])}`: `{part['server_command']}` (llama.cpp {v['llama.cpp']}), the GGUF "
             f"`{part['gguf']}` ({part['precision']} weights, its default f16 KV cache) converted from the same "
             f"Hugging Face directory by llama.cpp's converter. Its context, {part['context']:,} cells shared by "
-            f"{part['slots']} slots (`--kv-unified`), is the tokens attnserve's budget run held"
+            f"{part['slots']} slots (`--kv-unified`), is {part.get('context_source', 'given')}"
             + (" (capped at half the memory available)" if part["context"] < part["context_wanted"] else "")
             + f". Ready after **{part['startup_s']:.1f} s**; peak RSS **{gib(part['peak_rss_bytes'])}**. "
             f"Its log: {', '.join(f'{k} {v}' for k, v in part.get('log_facts', {}).items() if v)}. Most running = "

@@ -268,11 +268,14 @@ def llama_part(args, result: dict, items: dict, progress=print) -> dict:
     bin_dir, _ = llama_cpp.where()
     threads = llama_cpp.cores()
     log = args.llama_work / f"{gguf.stem}-memory-server.log"
+    source = ("given by --llama-context" if args.llama_context else "the tokens attnserve's budget run held"
+              if budget_runs[0].get("plan") else "what fits in half the memory available")
     out = {"precision": args.llama_precision, "gguf": gguf.name, "context": context, "context_wanted": wanted,
+           "context_source": source,
            "slots": args.llama_slots, "threads": threads, "versions": llama_cpp.versions(bin_dir),
            "timeout_s": args.llama_timeout_s}
     with LlamaServed(bin_dir, gguf, context, args.llama_slots, threads, log) as server:
-        out.update(command=server.command, startup_s=server.startup_s)
+        out.update(server_command=server.command, startup_s=server.startup_s)
         progress(f"llama.cpp: `{server.command}` ready after {server.startup_s:.1f} s")
         for phase, phase_items in items.items():
             server.workload(phase, phase_items, args.llama_timeout_s)
