@@ -36,7 +36,7 @@ from service.client.server_process import ServerProcess
 
 BUDGET_LINE = re.compile(
     r"(memory budget ([\d.]+) GiB .*model ([\d.]+) GiB resident, activations up to ([\d.]+) GiB.*)$", re.M)
-KV_LINE = re.compile(r"(KV cache: (\d+) tokens \(\d+ blocks of \d+ positions, ([\d.]+) MiB\).*)$", re.M)
+KV_LINE = re.compile(r"(KV cache: (\d+) tokens \(\d+ blocks of \d+ positions, ([\d.]+) MiB(?: in \w+)?\).*)$", re.M)
 TIMEOUT_S = 4 * 3600.0  # the server-side deadline of each request: a long queue on 2 cores is not a failure
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from attnserve.arguments import HintingParser
 from bench.machine import RESULTS_DIR, describe, machine_line, publish, shown
+from export.external_data import copy_graph
 
 DTYPES = ("float32", "float16", "int8")
 NUMPY = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -251,7 +252,7 @@ def kv_bundle(bundle: Path, out: Path) -> dict[str, str]:
                       if s.cache == "static" and s.weights == "float32" and s.cache_dtype == "float32")
     out.mkdir(parents=True, exist_ok=True)
     static = out / GRAPH_FILES["static"]
-    shutil.copyfile(bundle / spec.file, static)
+    copy_graph(bundle / spec.file, static)  # with its weights' data file, if it keeps one
     shutil.copyfile(bundle / manifest.tokenizer_file, out / manifest.tokenizer_file)
     vocab = min(Tokenizer.from_file(out / manifest.tokenizer_file).vocab_size, m.vocab_size)
     start = m.bos_token_id if m.bos_token_id is not None else m.eos_token_id
@@ -287,7 +288,7 @@ def model_quality(bundle: Path, graphs: dict[str, str], threads: int, windows: i
     from bench.commands.onnx_variants import held_out_ids
     from bench.commands.quantization import greedy
     from model.training.scoring import bits_per_char, eval_batches, nll_sum
-    from service.runtime.self_check import agreement, batch_invariance, probe_sequences
+    from service.runtime.self_check import agreement, batch_invariance, sample_probe
     from service.runtime.static_runner import StaticRunner
 
     runners = {kv: StaticRunner(bundle, g, provider="cpu", intra_op_threads=threads) for kv, g in graphs.items()}
@@ -303,7 +304,7 @@ def model_quality(bundle: Path, graphs: dict[str, str], threads: int, windows: i
         count += y.size
     starts = np.linspace(0, len(data) - 17, prompts).astype(int)
     cut = np.stack([data[s:s + 16] for s in starts])
-    greedy_ref, probe = greedy(ref, cut, new_tokens), probe_sequences(ref)
+    greedy_ref, probe = greedy(ref, cut, new_tokens), sample_probe(ref)
     rows = {}
     for kv, runner in runners.items():
         probed = agreement(runner, ref, probe)
