@@ -2,7 +2,7 @@
 
     with Fleet(3, bundle, ["--threads", "1"]) as fleet:               # every replica SERVING
         Client(fleet.grpc_target, round_robin=True).generate("Rom.")   # one replica: fleet.replicas[0].address
-        asyncio.run(fleet.roll())                                      # SIGTERM, drain, start again, one by one
+        asyncio.run(fleet.roll(min_ready_s=3))                         # SIGTERM, drain, start again, one by one
 
 - `Replica`: a `ServerProcess` logging JSON. Its ports are fixed for its whole life, so that a replacement
   takes its place as a Deployment's new pod takes an old one's endpoint; the logs of all its lives are
@@ -29,6 +29,13 @@ class Replica(ServerProcess):
 
     def __init__(self, name: str, args: list[str], workdir: Path):
         super().__init__([*args, "--log-format", "json"], name=name, log_dir=workdir)
+
+    def streaming(self) -> int:
+        """Calls it is sending tokens on now, from its metrics: those it sent a first token on, less those that
+        ended whole (a call that failed after its first token would count on; none does before a kill)."""
+        m = self.metrics()
+        return round(m.get("attnserve_time_to_first_token_seconds_count", 0.0)
+                     - m.get("attnserve_request_duration_seconds_count", 0.0))
 
     def log_records(self) -> list[dict]:
         """Every JSON log line of every life of this replica."""
@@ -66,9 +73,11 @@ class Fleet:
             with contextlib.suppress(RuntimeError):  # one that had to be killed is stopped all the same
                 r.stop()
 
-    async def roll(self, on_step=None) -> list[dict]:
+    async def roll(self, min_ready_s: float = 0.0, on_step=None) -> list[dict]:
         """Replace the replicas one at a time, as a rolling update with maxSurge 0 does: SIGTERM, wait for
-        the drain and the exit, start the new one on the same ports, wait until it is SERVING."""
+        the drain and the exit, start the new one on the same ports, wait until it is SERVING, then
+        `min_ready_s` more (a Deployment's minReadySeconds) before the next: a balancer that learns of
+        health only from failures takes that long to send requests to the new one again."""
         steps = []
         for r in self.replicas:
             t = time.monotonic()
@@ -77,6 +86,7 @@ class Fleet:
             steps.append({"replica": r.name, "drain_s": drain_s, "replaced_s": time.monotonic() - t})
             if on_step:
                 on_step(steps[-1])
+            await asyncio.sleep(min_ready_s)
         return steps
 
     def refusals(self) -> set[str]:

@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 NGINX_TEMPLATE = ROOT / "deploy" / "nginx" / "attnserve.conf.template"
 NGINX_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnserve" / "nginx"
 FAIL_TIMEOUT_S = 2.0  # the template's fail_timeout: nginx's passive health-check interval
+# A replica marked down takes requests again once its last failure is FAIL_TIMEOUT_S old. A rolling update that
+# drains the next replica sooner than that after the new one is SERVING can leave nginx none it thinks is up
+# (502, "no live upstreams"): it waits this long first, as a Deployment's minReadySeconds makes Kubernetes wait.
+MIN_READY_S = FAIL_TIMEOUT_S + 1.0
 
 
 def nginx_binary() -> Path:

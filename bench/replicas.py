@@ -25,7 +25,7 @@ from collections import Counter
 
 from bench.fleet import Fleet, Replica
 from bench.load_clients import HttpLoad, Load, StreamLoad
-from bench.nginx import Nginx
+from bench.nginx import MIN_READY_S, Nginx
 from bench.peers.protocol import percentile
 
 PATHS = ("round_robin", "nginx_grpc", "nginx_http")  # how clients reach the fleet
@@ -45,13 +45,14 @@ def method_of(path: str) -> str:
     return "/v1/completions" if path == "nginx_http" else "GenerateStream"
 
 
-async def roll_under_load(fleet: Fleet, load: Load, settle: int = 2) -> list[dict]:
-    """The load runs; once `settle` requests per client are done, the fleet is rolled; the load runs on until
-    `settle` more per client are done. Requests are labelled "steady", "roll" and "after" by when they were sent."""
+async def roll_under_load(fleet: Fleet, load: Load, settle: int = 2, min_ready_s: float = MIN_READY_S) -> list[dict]:
+    """The load runs; once `settle` requests per client are done, the fleet is rolled (`min_ready_s` between a
+    replica SERVING and the next one's SIGTERM); the load runs on until `settle` more per client are done.
+    Requests are labelled "steady", "roll" and "after" by when they were sent."""
     async with load.running():
         await load.wait_for(lambda: load.completed_count() >= settle * load.clients)
         load.phase = "roll"
-        steps = await fleet.roll()
+        steps = await fleet.roll(min_ready_s)
         load.phase = "after"
         done = load.completed_count()
         await load.wait_for(lambda: load.completed_count() >= done + settle * load.clients)
@@ -59,12 +60,13 @@ async def roll_under_load(fleet: Fleet, load: Load, settle: int = 2) -> list[dic
 
 
 async def kill_under_load(load: Load, victim: Replica, settle: int = 1, after: int = 3) -> float:
-    """SIGKILL `victim` while it sends at least two streams; returns when. Requests sent later are "after"."""
+    """SIGKILL `victim` while it sends tokens on at least two streams; returns when it had exited. Requests sent later
+    are "after": a request sent while the signal was on its way may still have reached the victim."""
     async with load.running():
         await load.wait_for(lambda: load.completed_count() >= settle * load.clients)
-        await load.wait_for(lambda: victim.metrics().get("attnserve_requests_running", 0) >= 2)
-        killed_at = time.monotonic()
+        await load.wait_for(lambda: victim.streaming() >= 2)
         await asyncio.to_thread(victim.kill)
+        killed_at = time.monotonic()
         load.phase = "after"
         done = load.completed_count()
         await load.wait_for(lambda: load.completed_count() >= done + after * load.clients)
