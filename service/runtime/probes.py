@@ -7,7 +7,7 @@ the reference writes the probe's tokens itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ class Agreement:
     positions: int  # probe positions compared
     max_abs_diff: float  # largest |Δlogit| over them
     scale: float  # largest |logit| of the reference
+    complete: bool = True  # False: scoring stopped before the probe's end (`scored`)
 
     @classmethod
     def of(cls, got: np.ndarray, want: np.ndarray) -> Agreement:
@@ -32,6 +33,28 @@ class Agreement:
         same = got.argmax(-1) == want.argmax(-1)
         return cls(top1=float(same.mean()), positions=same.size, max_abs_diff=float(np.abs(got - want).max()),
                    scale=max(float(np.abs(want).max()), 1.0))
+
+    @classmethod
+    def scored(cls, chunks: Generator[np.ndarray], want: np.ndarray, least: float | None = None) -> Agreement:
+        """`of` the logits `chunks` yields, each [rows, positions, vocab] following the one before, against
+        `want` [rows, tokens, vocab]. With `least`, scoring stops (and `chunks` is closed) as soon as the
+        positions left could no longer lift the top-1 agreement to it: a graph that cannot pass is not run to
+        the end. The result then covers the positions scored, and says it is not `complete`."""
+        rows, tokens = want.shape[:2]
+        got, agreed, done = [], 0, 0
+        try:
+            for chunk in chunks:
+                span = want[:, done:done + chunk.shape[1]]
+                agreed += int((chunk.argmax(-1) == span.argmax(-1)).sum())
+                got.append(chunk)
+                done += chunk.shape[1]
+                if least is not None and agreed + rows * (tokens - done) < least * rows * tokens:
+                    break
+        finally:
+            chunks.close()
+        result = cls.of(np.concatenate(got, axis=1), want[:, :done])
+        result.complete = done == tokens
+        return result
 
 
 @dataclass

@@ -8,6 +8,8 @@ Two things can make a graph compute other numbers than the one that was verified
   positions. The thresholds sit well below what a correct graph of that precision measures and
   well above what a broken one does (docs/onnx.md has both). A graph whose KV cache is kept in fewer
   bytes (float16, int8; docs/engine.md#kv-precision) is held to `MIN_KV_AGREEMENT[cache]` alike.
+  Scoring stops as soon as the positions left could no longer bring a graph to its bar, so one that
+  fails is refused without running the whole probe.
 - **another execution provider** (CUDA): the KV cache is bound in host memory and written in place
   by the attention node, which holds only if onnxruntime places that node where it can write it. An
   fp32 graph there must reproduce the CPU's logits to `LOGIT_TOLERANCE` of the largest logit.
@@ -34,6 +36,7 @@ the whole batch's activations by one number, does (docs/onnx.md). `graph_choice`
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,24 +112,30 @@ def logits_at_every_position(runner: StaticRunner, seqs: np.ndarray) -> np.ndarr
         return runner.prefill_batch(0, seqs.tolist(), every_position=True).astype(np.float32)
 
 
-def served_logits(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
-    """[rows, tokens, vocab] logits of `seqs` as serving computes them: the first half prefilled, then
-    one decode step per token, fed the sequence's own next token (teacher forcing)."""
+def served_chunks(runner: StaticRunner, seqs: np.ndarray) -> Generator[np.ndarray]:
+    """The logits of `seqs` as serving computes them, in the order it does: [rows, tokens // 2, vocab] from a
+    prefill of the first half, then [rows, 1, vocab] from each decode step, fed the sequence's own next token
+    (teacher forcing)."""
     rows, tokens = seqs.shape
     half = max(tokens // 2, 1)
     with runner.scratch_cache(rows, tokens):
-        out = np.empty((rows, tokens, runner.vocab_size), dtype=np.float32)
-        out[:, :half] = runner.prefill_batch(0, seqs[:, :half].tolist(), every_position=True)
+        yield runner.prefill_batch(0, seqs[:, :half].tolist(), every_position=True).astype(np.float32)
         for t in range(half, tokens):
-            out[:, t] = runner.decode(seqs[:, t], np.full(rows, t))
-        return out
+            yield runner.decode(seqs[:, t], np.full(rows, t)).astype(np.float32)[:, None]
 
 
-def agreement(candidate: StaticRunner, reference: StaticRunner, probe: Probe | None = None) -> Agreement:
+def served_logits(runner: StaticRunner, seqs: np.ndarray) -> np.ndarray:
+    """[rows, tokens, vocab] logits of `seqs` as serving computes them (`served_chunks`)."""
+    return np.concatenate(list(served_chunks(runner, seqs)), axis=1)
+
+
+def agreement(candidate: StaticRunner, reference: StaticRunner, probe: Probe | None = None,
+              least: float | None = None) -> Agreement:
     """How closely `candidate`, scoring the probe as serving runs a prompt, follows the logits `reference`
-    sampled it from (`probe`: made already)."""
+    sampled it from (`probe`: made already). With `least`, it stops once it can no longer reach that top-1
+    agreement (`Agreement.scored`)."""
     probe = sample_probe(reference) if probe is None else probe
-    return Agreement.of(served_logits(candidate, probe.seqs), probe.logits)
+    return Agreement.scored(served_chunks(candidate, probe.seqs), probe.logits, least)
 
 
 def mixed_batch_logits(runner: StaticRunner, seqs: np.ndarray, lengths: list[int], steps: int) -> np.ndarray:
@@ -173,7 +182,7 @@ def check(runner: StaticRunner, reference: StaticRunner | None = None, allow_low
         return SelfCheck(None, invariance)
     reference = reference or open_reference(runner)
     probe = probe if probe is not None else probes.probe(reference)
-    result = probes.agreement(runner, reference, probe)
+    result = probes.agreement(runner, reference, probe, least=least_agreement(runner.spec))
     where = f"on {runner.provider}" if not on_cpu else f"on this CPU ({cpu_info().describe()})"
     refusal = _disagreement(runner, reference, result, where)
     if refusal and not allow_low_agreement:
@@ -200,7 +209,9 @@ def _disagreement(runner: StaticRunner, reference: StaticRunner, result: Agreeme
                     "weights compute alike on every CPU")
         return (f"graph {runner.graph_name!r} ({precision(runner.spec)}) {where} agrees with the fp32 graph "
                 f"{reference.graph_name!r} on the top-1 token at only {result.top1:.1%} of {result.positions} probe "
-                f"positions (at least {least:.0%} is required{_saturation_note(runner)}); serve --graph "
+                f"positions{'' if result.complete else ' scored'} (at least {least:.0%} is required"
+                f"{_saturation_note(runner)}{'' if result.complete else '; the rest could no longer reach it'}); "
+                f"serve --graph "
                 f"{reference.graph_name}{fix}")
     if result.max_abs_diff <= LOGIT_TOLERANCE * result.scale:
         return None

@@ -11,6 +11,7 @@ the encoder's padding is probed too.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,20 +48,26 @@ def probe(reference: Seq2SeqRunner, rows: int = probes.PROBE_ROWS, tokens: int =
     return Probe(sources, targets, logits)
 
 
-def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.ndarray) -> np.ndarray:
-    """[rows, tokens, vocab]: the logits after each target token, as serving computes them."""
+def served_chunks(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.ndarray) -> Generator[np.ndarray]:
+    """[rows, 1, vocab] per target position: the logits after each target token, as serving computes them
+    (the prefill's, then each decode step's)."""
     rows, tokens = targets.shape
     with runner.scratch_cache(rows, tokens):
-        out = np.empty((rows, tokens, runner.vocab_size), dtype=np.float32)
-        out[:, 0] = runner.prefill_batch(0, sources)
+        yield runner.prefill_batch(0, sources).astype(np.float32)[:, None]
         for t in range(1, tokens):
-            out[:, t] = runner.decode(targets[:, t], np.full(rows, t))
-        return out
+            yield runner.decode(targets[:, t], np.full(rows, t)).astype(np.float32)[:, None]
 
 
-def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe) -> probes.Agreement:
-    """How closely `candidate` follows the logits `reference` sampled the probe from."""
-    return probes.Agreement.of(served_logits(candidate, p.sources, p.targets), p.logits)
+def served_logits(runner: Seq2SeqRunner, sources: list[list[int]], targets: np.ndarray) -> np.ndarray:
+    """[rows, tokens, vocab]: the logits after each target token, as serving computes them."""
+    return np.concatenate(list(served_chunks(runner, sources, targets)), axis=1)
+
+
+def agreement(candidate: Seq2SeqRunner, reference: Seq2SeqRunner, p: Probe,
+              least: float | None = None) -> probes.Agreement:
+    """How closely `candidate` follows the logits `reference` sampled the probe from; with `least`, stopping
+    once it can no longer reach that top-1 agreement."""
+    return probes.Agreement.scored(served_chunks(candidate, p.sources, p.targets), p.logits, least)
 
 
 def batch_invariance(runner: Seq2SeqRunner, p: Probe) -> probes.Invariance:

@@ -10,7 +10,7 @@ import pytest
 
 from service.runtime.bundle import BundleError, read_manifest, write_manifest
 from service.runtime.cpu import cpu_info
-from service.runtime.probes import INVARIANCE_ROWS, PROBE_ROWS, PROBE_TOKENS
+from service.runtime.probes import INVARIANCE_ROWS, PROBE_ROWS, PROBE_TOKENS, Agreement
 from service.runtime.self_check import (
     MIN_AGREEMENT,
     MIN_KV_AGREEMENT,
@@ -84,11 +84,48 @@ def test_a_reduced_graph_that_parts_from_fp32_is_refused_in_one_line(wrong_int8_
         check(runner)
     message = str(e.value)
     assert "\n" not in message
-    measured = agreement(runner, StaticRunner(wrong_int8_bundle, "static", provider="cpu")).top1
+    measured = agreement(runner, StaticRunner(wrong_int8_bundle, "static", provider="cpu"),
+                         least=MIN_AGREEMENT["int8"]).top1
     assert measured < MIN_AGREEMENT["int8"]
     for part in ("graph 'static-int8'", cpu_info().describe(), f"only {measured:.1%}", f"{MIN_AGREEMENT['int8']:.0%}",
                  "--graph static", "attnserve export --int8"):
         assert part in message
+
+
+def test_scoring_stops_once_the_bar_is_out_of_reach():
+    rows, tokens, vocab = 2, 10, 5
+    want = np.zeros((rows, tokens, vocab), np.float32)
+    want[..., 0] = 1  # the reference's top-1 is token 0 everywhere
+    got = want.copy()
+    got[:, :4, 1] = 2  # the candidate's first four positions of each row pick token 1
+    scored, closed = [], []
+
+    def chunks():
+        try:
+            for t in range(tokens):
+                scored.append(t)
+                yield got[:, t:t + 1]
+        finally:
+            closed.append(True)
+
+    # after 3 positions of each row wrong, 14 of 20 can still agree (70%); after 4, at most 12
+    result = Agreement.scored(chunks(), want, least=0.7)
+    assert scored == [0, 1, 2, 3] and closed and not result.complete
+    assert (result.positions, result.top1) == (rows * 4, 0.0)
+    scored.clear()
+    whole = Agreement.scored(chunks(), want)
+    assert len(scored) == tokens and whole.complete and (whole.positions, whole.top1) == (rows * tokens, 0.6)
+
+
+def test_a_failing_graph_is_refused_before_the_end_of_the_probe(wrong_int8_bundle):
+    runner = StaticRunner(wrong_int8_bundle, "static-int8", provider="cpu")
+    reference = StaticRunner(wrong_int8_bundle, "static", provider="cpu")
+    probe = sample_probe(reference)
+    whole = agreement(runner, reference, probe)
+    assert whole.complete and whole.top1 < MIN_AGREEMENT["int8"]
+    cut = agreement(runner, reference, probe, least=MIN_AGREEMENT["int8"])
+    assert not cut.complete and cut.positions < whole.positions and cut.top1 < MIN_AGREEMENT["int8"]
+    assert not runner.attached  # the scratch cache went with the scoring that stopped
 
 
 def test_a_disagreeing_graph_is_served_when_the_override_asks_with_a_warning(wrong_int8_bundle, caplog):
@@ -142,7 +179,8 @@ def test_a_kv_cache_that_disagrees_with_fp32_is_refused(lively_bundle, tmp_path)
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) / 10, t.name))
     onnx.save(graph, str(path))
     with pytest.raises(BundleError, match=r"graph 'static-kv8' \(float32 weights, int8 KV cache\) on this CPU .* at only "
-                                          r"[\d.]+% of 512 probe positions \(at least 95% is required\); serve --graph static --kv-dtype float32$"):
+                                          r"[\d.]+% of \d+ probe positions scored \(at least 95% is required; the rest could no longer reach it\); "
+                                          r"serve --graph static --kv-dtype float32$"):
         check(StaticRunner(dst, "static-kv8", provider="cpu"))
 
 
