@@ -120,9 +120,15 @@ def beyond(run: dict) -> list[str]:
     if "peak_beyond_model_and_kv_bytes" not in run:
         return []
     p = run["plan"]
+    # the prefix cache keeps each prompt's keys and values in blocks no sequence holds (free to `kv_free_tokens`):
+    # at most every prompt token sent, within the KV cache's share of the budget
+    prompts = sum(ph.get("prompt_tokens", 0) for name, ph in run["phases"].items() if name != "long_beside_streams")
+    cached = min(prompts, p["kv_tokens"]) * p["kv_bytes_per_token"]
     return [f"At its peak the process held {gib(run['peak_beyond_model_and_kv_bytes'])} beyond the model as loaded "
             f"({p['model_gib']:.2f} GiB) and the most KV the sequences held ({gib(run['kv_held_max_bytes'])}, from "
-            f"the least `kv_free_tokens` seen): the activations and the arenas, against the log's estimate of "
+            f"the least `kv_free_tokens` seen): the prefix cache's copies of the prompts, up to {gib(cached)} for "
+            f"these {prompts:,} prompt tokens (all different), kept in blocks no sequence holds, inside the KV "
+            f"cache's share; then the activations and the arenas, against the log's estimate of "
             f"{p['activations_gib']:.2f} GiB for the largest step at the full context.", ""]
 
 
