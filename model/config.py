@@ -3,11 +3,11 @@
 `GPTConfig` is written next to the weights as `config.json`, so a model directory is
 self-describing. One decoder covers GPT-2 and the Llama family: the fields choose the positions
 (learned, sinusoidal or rotary), the norm (LayerNorm or RMSNorm), the feed-forward (GELU or
-SwiGLU), the key/value heads (grouped-query attention when fewer than the query heads), biases
+SwiGLU), the key/value heads (grouped-query attention when fewer than the query heads), biases,
 tied embeddings, and the per-head choices of newer families: a head width of its own (Qwen3, Gemma),
 an RMSNorm on each query and key head (Qwen3, Gemma 3), rotary positions on part of each head
-(Phi-3/4) or on no head at all in some blocks (SmolLM3). Field names follow our own vocabulary; `import_hf` maps Hugging Face names
-onto them.
+(Phi-3/4) or on no head at all in some blocks (SmolLM3). Field names follow our own vocabulary;
+`import_hf` maps Hugging Face names onto them.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class GPTConfig(JsonConfig):
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
-    rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3's partial_rotary_factor)
-    no_rotary_layers: list[int] | None = None  # indices of the blocks that take no rotary positions (SmolLM3's NoPE layers)
+    rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3: 0.75)
+    no_rotary_layers: list[int] | None = None  # blocks (indices) whose attention takes no rotary positions (SmolLM3)
     mlp: Literal["gelu", "swiglu"] = "gelu"  # GELU MLP (GPT-2) or gated SiLU (Llama: down(silu(gate) * up))
     activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
     tie_embeddings: bool = True  # the output head reuses the token embedding matrix
@@ -57,13 +57,15 @@ class GPTConfig(JsonConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.pos_encoding == "rotary" and self.rotary_dim % 2:
-            raise ValueError(f"rotary positions need an even rotated width, got {self.rotary_dim} of d_head={self.d_head}")
+            raise ValueError(f"rotary positions need an even rotated width, got {self.rotary_dim} of "
+                             f"d_head={self.d_head}")
         if not 0.0 < self.rotary_fraction <= 1.0:
             raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         if (self.rotary_fraction != 1.0 or self.no_rotary_layers) and self.pos_encoding != "rotary":
             raise ValueError("rotary_fraction and no_rotary_layers need pos_encoding='rotary'")
         if any(not 0 <= i < self.n_layer for i in self.no_rotary_layers or []):
-            raise ValueError(f"no_rotary_layers {self.no_rotary_layers} must be block indices below n_layer={self.n_layer}")
+            raise ValueError(f"no_rotary_layers {self.no_rotary_layers} must be block indices below "
+                             f"n_layer={self.n_layer}")
 
     @property
     def kv_heads(self) -> int:

@@ -12,8 +12,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from export.bundle_writer import export_bundle  # noqa: E402
-from export.verify import verify, verify_static  # noqa: E402
 from export.static_cache_graph import export_static_cache_decoder  # noqa: E402
+from export.verify import verify, verify_static  # noqa: E402
 from model.checkpoint import load_model_dir, save_model_dir  # noqa: E402
 from model.hf.import_hf import import_hf  # noqa: E402
 from service.engine.config import EngineConfig  # noqa: E402
@@ -27,7 +27,6 @@ from tests.engine.harness import drive, greedy, random_prompt  # noqa: E402
 from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
 
 FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "smollm3", "phi3"]
-NEWER = ["qwen3", "smollm3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -69,8 +68,6 @@ def test_served_greedy_tokens_alone_and_batched_equal_transformers(family_bundle
 
 def test_twelve_requests_at_once_each_get_transformers_greedy_tokens(family_bundle):
     family, hf, _, bundle = family_bundle
-    if family not in NEWER:
-        pytest.skip("the Llama, Qwen2 and Mistral layouts are served at four at once above")
     rng = np.random.default_rng(12)
     requests = [greedy(f"r{i}", random_prompt(rng, int(n)), 12, ignore_eos=True)
                 for i, n in enumerate(rng.integers(1, 40, 12))]
