@@ -9,7 +9,8 @@ The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no bi
 (grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept), or the Llama-family class
 that has what a Llama lacks: a Qwen3 for query/key norms, a SmolLM3 for blocks without rotary positions, a
 Phi-3 for partial rotary (its `qkv_proj` and `gate_up_proj` written fused, as Phi-3 stores them); a head
-width of its own is written as `head_dim` in any of them. Learned positions,
+width of its own is written as `head_dim` in any of them. (A Phi-3 rotating whole heads, or a SmolLM3 with
+every block rotary, is a Llama: the same model, written as one.) Learned positions,
 LayerNorm, a GELU MLP (tanh or exact), biases, one KV head per query head and a tied head make a
 GPT-2. A model neither can express (sinusoidal positions, Qwen2's query/key/value biases, a mix of
 the two families) is refused with the reason. A model without a BOS id gets its EOS id as BOS, as
