@@ -15,7 +15,7 @@ from model.generate import generate  # noqa: E402
 from model.hf.export_hf import architecture, export_hf, main  # noqa: E402
 from model.hf.import_hf import import_hf  # noqa: E402
 from tests.conftest import LLAMA, ROOT, make_lively, make_model  # noqa: E402
-from tests.model.hf_models import greedy_hf  # noqa: E402
+from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
 
 
 def test_transformers_loads_the_export_and_matches_our_logits(tiny_model_dir, tmp_path):
@@ -121,3 +121,52 @@ def test_a_model_neither_family_expresses_is_refused(tiny_tokenizer, tmp_path, c
     save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
     assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- Qwen3, SmolLM3, Phi-3 -> their own classes ---------------------------------------------------------
+
+@pytest.mark.parametrize("family,cls,fields", [
+    ("qwen3", "Qwen3ForCausalLM", dict(head_dim=32)),
+    ("smollm3", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    ("phi3", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75)),
+])
+def test_an_imported_checkpoint_exports_back_to_the_same_checkpoint(tiny_tokenizer, tmp_path, family, cls, fields):
+    """import-hf then export-hf gives transformers the class, the tensors under the names (Phi-3's fused
+    qkv_proj and gate_up_proj) and the settings it started from, and import-hf of that the same model."""
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    out = export_hf(tmp_path / "ours", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again).__name__ == cls
+    assert {k: getattr(again.config, k) for k in fields} == fields
+    assert again.config.rope_parameters["rope_theta"] == hf.config.rope_parameters["rope_theta"]
+    want, got = hf.state_dict(), again.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.tensor([tiny_tokenizer.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    import_hf(out, tmp_path / "twice")
+    a, _ = load_model_dir(tmp_path / "ours")
+    b, _ = load_model_dir(tmp_path / "twice")
+    assert b.config == a.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_model_no_hugging_face_class_expresses_is_refused(tiny_tokenizer, tmp_path, capsys):
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, **{**LLAMA_STYLE, "qk_norm": True, "rotary_fraction": 0.5})
+    save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
+    assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
+    assert "this model needs qwen3 and phi3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family,overrides", [("phi3", dict(partial_rotary_factor=1.0)),
+                                              ("smollm3", dict(no_rope_layers=[1, 1]))])
+def test_a_checkpoint_with_nothing_a_llama_lacks_exports_as_a_llama(tiny_tokenizer, tmp_path, family, overrides):
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family, **overrides)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "ours", tmp_path / "back")).eval()
+    assert type(again).__name__ == "LlamaForCausalLM"
+    ids = torch.tensor([tiny_tokenizer.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5

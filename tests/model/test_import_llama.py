@@ -27,6 +27,9 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     assert (c.n_layer, c.n_head, c.kv_heads, c.d_model, c.ff_width, c.n_ctx) == (
         2, 4, hf.config.num_key_value_heads, 64, 96, 128)
     assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "swiglu", family == "qwen2")
+    assert (c.d_head, c.qk_norm, c.rotary_dim, c.no_rotary_layers) == {
+        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None)}.get(
+        family, (16, False, 16, None))
 
     ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
     with torch.no_grad():
@@ -44,6 +47,29 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
     ours, _ = load_model_dir(tmp_path / "ours")
     assert (ours.config.eos_token_id, ours.config.eos_token_ids) == (0, [0, 5, 7])
     assert json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"] == [0, 5, 7]
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}),
+     "rope_scaling type 'longrope' is not supported"),
+    ("phi3", dict(sliding_window=64), "sliding_window 64 is shorter than the context"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
+    ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers has 3 entries for 2 layers"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("phi3", dict(partial_rotary_factor=0.5625, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+     "even rotated width, got 9"),
+])
+def test_an_option_of_the_newer_families_the_decoder_lacks_is_refused(tiny_tokenizer, tmp_path, capsys, family,
+                                                                      change, message):
+    save_random(tmp_path / "hf", tiny_tokenizer, family)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.parametrize("change,message", [
