@@ -5,8 +5,9 @@ every step. This one is built op by op from the model's weights around onnxrunti
 `com.microsoft.GroupQueryAttention`, with kv_num_heads = the model's key/value heads (equal to
 num_heads for GPT-2; fewer for grouped-query models, whose cache is that much smaller). For a
 Llama-style model the queries and keys are rotated by the attention op itself (do_rotary, from
-cos/sin tables built at export), or where its kernel does not take the head width by
-`com.microsoft.RotaryEmbedding` ops at `position_ids` before it; the norms are RMSNorms
+cos/sin tables built at export by the function the PyTorch model takes its angles from), or where its
+kernel does not take the head width by `com.microsoft.RotaryEmbedding` ops at `position_ids` before it;
+the norms are RMSNorms
 (`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
 feed-forward is SwiGLU (gate and up in one MatMul):
 
@@ -34,11 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.external_data import DataFile
 from model.gpt import GPT
-from model.rotary import inverse_frequencies
+from model.rotary import rotary_cos_sin
 from service.runtime.bundle import static_io_names
 
 STATIC_OPSET = 17
@@ -148,10 +150,9 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     b = GraphBuilder(weights, data)
     in_names, out_names = static_io_names(c.n_layer)
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
-    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2)
-        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inverse_frequencies(D, c.rope_theta,
-                                                                                   c.rope_scaling).numpy()[None]
-        cos, sin = b.const("rope_cos", np.cos(angles)), b.const("rope_sin", np.sin(angles))
+    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2): the PyTorch model's
+        cos, sin = rotary_cos_sin(torch.arange(c.n_ctx), D, c.rope_theta, c.rope_scaling, c.n_ctx)
+        cos, sin = b.const("rope_cos", cos.numpy()), b.const("rope_sin", sin.numpy())
     else:
         pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
         x = b.node("Add", [x, pos], ["x_0"])

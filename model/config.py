@@ -33,7 +33,7 @@ class GPTConfig(JsonConfig):
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...} as in HF configs
     mlp: Literal["gelu", "swiglu"] = "gelu"  # GELU MLP (GPT-2) or gated SiLU (Llama: down(silu(gate) * up))
     activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
     tie_embeddings: bool = True  # the output head reuses the token embedding matrix
