@@ -5,8 +5,9 @@ every step. This one is built op by op from the model's weights around onnxrunti
 `com.microsoft.GroupQueryAttention`, with kv_num_heads = the model's key/value heads (equal to
 num_heads for GPT-2; fewer for grouped-query models, whose cache is that much smaller). For a
 Llama-style model the queries and keys are rotated by the attention op itself (do_rotary, from
-cos/sin tables built at export), or where its kernel does not take the head width by
-`com.microsoft.RotaryEmbedding` ops at `position_ids` before it. Partial rotary (the leading rotary_dim
+cos/sin tables built at export by the function the PyTorch model takes its angles from), or where its
+kernel does not take the head width by `com.microsoft.RotaryEmbedding` ops at `position_ids` before it.
+Partial rotary (the leading rotary_dim
 dimensions of each head) is a cos/sin table rotary_dim/2 wide, which the attention op takes when that is a
 multiple of 8 and the RotaryEmbedding ops always; a block without rotary positions is not rotated at all;
 query/key norms normalise each projected head before either rotation. The norms are RMSNorms
@@ -37,11 +38,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.external_data import DataFile
 from model.gpt import GPT
-from model.rotary import inverse_frequencies
+from model.rotary import rotary_cos_sin
 from service.runtime.bundle import static_io_names
 
 STATIC_OPSET = 17
@@ -169,10 +171,9 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     b = GraphBuilder(weights, data)
     in_names, out_names = static_io_names(c.n_layer)
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
-    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, rotary_dim/2)
-        inv_freq = inverse_frequencies(c.rotary_dim, c.rope_theta, c.rope_scaling).numpy()
-        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inv_freq[None]
-        cos, sin = b.const("rope_cos", np.cos(angles)), b.const("rope_sin", np.sin(angles))
+    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, rotary_dim/2): the PyTorch model's
+        cos, sin = rotary_cos_sin(torch.arange(c.n_ctx), c.rotary_dim, c.rope_theta, c.rope_scaling, c.n_ctx)
+        cos, sin = b.const("rope_cos", cos.numpy()), b.const("rope_sin", sin.numpy())
     else:
         pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
         x = b.node("Add", [x, pos], ["x_0"])

@@ -37,7 +37,7 @@ class GPTConfig(JsonConfig):
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...} as in HF configs
     rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3: 0.75)
     no_rotary_layers: list[int] | None = None  # blocks (indices) whose attention takes no rotary positions (SmolLM3)
     mlp: Literal["gelu", "swiglu"] = "gelu"  # GELU MLP (GPT-2) or gated SiLU (Llama: down(silu(gate) * up))

@@ -91,7 +91,7 @@ class GPT(nn.Module):
             self.register_buffer("pos_table", sinusoidal_table(config.n_ctx, config.d_model), persistent=False)
         else:
             # the angles cover the rotated dimensions only: ω_i = theta^(-2i/rotary_dim), as HF Phi-3 computes them
-            self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, config.n_ctx)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.ln_f = make_norm(config.norm, config.d_model, config.layer_norm_eps, config.bias)

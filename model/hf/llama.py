@@ -43,15 +43,19 @@ class Unsupported(ValueError):
 
 def rope_settings(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either vintage: `rope_theta` + `rope_scaling`, or
-    transformers 5's `rope_parameters`."""
+    transformers 5's `rope_parameters`. The scalings that read the original context get it as transformers
+    does: Phi-3's top-level `original_max_position_embeddings` first, else max_position_embeddings."""
     params = dict(hf.get("rope_parameters") or {})
     theta = float(hf.get("rope_theta") or params.pop("rope_theta", 10000.0))
     params.pop("rope_theta", None)
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     try:
-        rope_type(scaling)
+        kind = rope_type(scaling)
     except ValueError as e:
         raise Unsupported(str(e)) from None
+    if kind in ("llama3", "yarn", "longrope"):
+        original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling = {**scaling, "original_max_position_embeddings": original or hf["max_position_embeddings"]}
     return theta, scaling
 
 

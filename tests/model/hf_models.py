@@ -17,6 +17,14 @@ FAMILIES = {
     "llama-linear-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    # the long-context scalings, trained on 32 positions of the 128 served, so generation crosses the original context
+    "qwen2-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 32})),
+    "llama-longrope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(8)]})),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
     # a head width of its own (4 x 32 = 128 wide attention on a 64 wide stream), query/key norms
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=True)),
@@ -47,8 +55,24 @@ def save_random(path, tokenizer, family: str, shard: bool = False, **overrides):
 
 
 def greedy_hf(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, each token from a forward of the whole sequence (no cache)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
             ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids[0, len(prompt):].tolist()
+
+
+def greedy_hf_cached(hf, prompt: list[int], n: int, first_call: int | None = None) -> list[int]:
+    """transformers' greedy continuation through its KV cache, as `generate` runs it: the prompt in one call
+    (or its first `first_call` tokens, then the rest), then one token per call, the cache keeping each key as
+    the call that wrote it rotated it."""
+    tokens = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt[:first_call]]), use_cache=True)
+        if first_call is not None:
+            out = hf(torch.tensor([prompt[first_call:]]), cache=out.cache, use_cache=True)
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    return tokens
