@@ -49,6 +49,11 @@ def longrope_bundle(tiny_tokenizer, tmp_path_factory):
     return build("llama-longrope", tiny_tokenizer, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def phi4_mini_bundle(tiny_tokenizer, tmp_path_factory):
+    return build("phi4-mini-longrope", tiny_tokenizer, tmp_path_factory)
+
+
 def serve(bundle, requests) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Each request's greedy tokens served in one batch, and alone."""
     config = dict(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64)
@@ -84,6 +89,18 @@ def test_rotated_before_the_attention_op_the_graph_matches_pytorch_too(request, 
     assert verify_static(model, copy, "static").passed
 
 
+def test_partial_rotary_with_longrope_matches_pytorch(phi4_mini_bundle):
+    """Phi-4-mini's layout: longrope's factors cover the 12 rotated dimensions of each 16-wide head, whose
+    6-wide tables GroupQueryAttention cannot take (a multiple of 8), so RotaryEmbedding ops rotate them."""
+    _, _, model_dir, bundle = phi4_mini_bundle
+    model, _ = load_model_dir(model_dir)
+    assert (model.config.rotary_dim, model.config.rope_scaling["rope_type"]) == (12, "longrope")
+    assert verify_static(model, bundle, "static").passed
+    assert verify(model, ConcatRunner(bundle, graph="fp32", provider="cpu")).passed
+    graph = onnx.load(str(bundle / "model.static.onnx"), load_external_data=False)
+    assert len([n for n in graph.graph.node if n.op_type == "RotaryEmbedding"]) == 4
+
+
 def test_yarn_greedy_tokens_alone_and_batched_equal_transformers(yarn_bundle):
     _, hf, _, bundle = yarn_bundle
     rng = np.random.default_rng(5)
@@ -94,13 +111,14 @@ def test_yarn_greedy_tokens_alone_and_batched_equal_transformers(yarn_bundle):
         assert batched[r.request_id] == want and alone[r.request_id] == want, r.request_id
 
 
-def test_longrope_greedy_tokens_alone_and_batched_equal_transformers(longrope_bundle):
+@pytest.mark.parametrize("built", ["longrope_bundle", "phi4_mini_bundle"])
+def test_longrope_greedy_tokens_alone_and_batched_equal_transformers(request, built):
     """Positions below the original context are rotated with the short factors, the rest with the long. A
     sequence within it is transformers' with or without its cache; one that crosses it is transformers'
     cached generation (which keeps the keys it rotated short, where its uncached forward of the whole
     sequence rotates every key long). A prompt already past it is transformers' fed the prompt's first 32
     tokens in one call and the rest in the next, not its single call, which rotates them long too."""
-    _, hf, _, bundle = longrope_bundle
+    _, hf, _, bundle = request.getfixturevalue(built)
     rng = np.random.default_rng(7)
     # (prompt, new tokens): "within" ends exactly at the original context, its last call 32 positions long
     cases = {"within": (5, ORIGINAL - 4), "past": (40, NEW), "crossing": (17, NEW)}

@@ -33,6 +33,12 @@ FAMILIES = {
     # rotary on the leading 0.75 of each head as in Phi-4-mini, fused qkv_proj and gate_up_proj
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(partial_rotary_factor=0.75,
                                                                          tie_word_embeddings=False)),
+    # Phi-4-mini's layout at a small size: partial rotary (12 of 16 dimensions, 6 factors) with longrope
+    "phi4-mini-longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                         "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(6)]})),
 }
 
 
