@@ -8,6 +8,10 @@
     call.py            one call's request id, metrics and closing log line
     token_texts.py     each token's text for logprobs, as gRPC and as OpenAI name it
     draft_counts.py    a call's speculative decoding counts for its usage, summed over its sequences
+    tool_calls.py      a chat request's tools: the format its template teaches, the calls read out, their grammar
+    tool_formats/      one reader per tool-call format (hermes, llama3_json, phi4_json, pythonic)
+    reasoning.py       a <think>…</think> section read apart from the answer
+    chat_output.py     a chat choice's text -> reasoning, content and calls, whole or as it streams
     validation.py      one statement of every front-level rule (the engine's are GenerationRequest.validate's)
     field_names.py     the engine's field names as each front spells them, for its errors
     auth.py            the bearer token check and PEM reading

@@ -7,10 +7,14 @@
 The template comes from the checkpoint the bundle was imported from: `chat_template.jinja`, or the
 `chat_template` of `tokenizer_config.json` (a string, or a list of named templates whose `default` is
 used). It is rendered with Jinja2 in a sandbox, in the environment transformers'
-`apply_chat_template` gives it: `trim_blocks` and `lstrip_blocks`, the loop controls, a `tojson`
-that keeps non-ASCII text, `raise_exception`, `strftime_now`, and the special tokens
-(`bos_token`, `eos_token`, ...) as variables. Chat templates are code from the checkpoint's author:
-the sandbox keeps them from reaching Python internals.
+`apply_chat_template` gives it: `trim_blocks` and `lstrip_blocks`, the loop controls, the
+`{% generation %}` block (transformers marks the assistant's tokens with it; here it renders its body),
+a `tojson` that keeps non-ASCII text, `raise_exception`, `strftime_now`, `dict`, a `namespace` that
+refuses underscore names, and the special tokens (`bos_token`, `eos_token`, ...) as variables. A
+message's reasoning reaches the template as transformers passes it: under `reasoning_content` and
+`thinking` both, whichever of `reasoning_content`, `thinking`, `reasoning` it came in. Further
+variables (`enable_thinking`, ...) are the caller's `**variables`. Chat templates are code from the
+checkpoint's author: the sandbox keeps them from reaching Python internals.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates read
 
 
 class ChatTemplateError(ValueError):
@@ -46,12 +51,62 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _dict(*args: Any, **kwargs: Any) -> dict:
+    return dict(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace, refusing the underscore names through which a template could reach internals."""
+
+    def __init__(*args: Any, **kwargs: Any):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers records where the assistant's text lies; the
+    text itself renders as if the tags were not there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _dict
+    env.globals["namespace"] = _Namespace
     return env
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with its reasoning under `reasoning_content` and `thinking` (gpt-oss templates read that)."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _token_text(value: Any) -> str | None:
@@ -92,10 +147,11 @@ class ChatTemplate:
                tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
         """The prompt text for `messages` (plain dicts: role, content, ...) and `tools` (`{"type": "function",
         "function": {...}}` dicts, or None as transformers passes no tools); raises ChatTemplateError."""
+        messages = [_with_reasoning_aliases(m) if isinstance(m, dict) else m for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=None, **{**self.special_tokens, **variables})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None

@@ -38,6 +38,7 @@ ACCEPTED = {
     "min_tokens": {"min_tokens": 1}, "ignore_eos": {"ignore_eos": True}, "stop_token_ids": {"stop_token_ids": [3]},
     "timeout": {"timeout": 30}, "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
     "tool_choice": {"tool_choice": "none"}, "parallel_tool_calls": {"parallel_tool_calls": False},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
     "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": False},
     "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
     "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
@@ -110,7 +111,7 @@ def test_the_documented_refusals_name_their_field(api, endpoint):
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-@pytest.mark.parametrize("field", ["frobnicate", "functions", "guided_decoding_backend", "chat_template_kwargs"])
+@pytest.mark.parametrize("field", ["frobnicate", "functions", "guided_decoding_backend", "mm_processor_kwargs"])
 def test_a_field_the_table_does_not_list_is_refused_by_name(api, endpoint, field):
     with pytest.raises(openai.BadRequestError) as e:
         post(api, endpoint, {field: 1})

@@ -17,6 +17,7 @@ import pytest
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
+from service.fronts.chat_output import OutputReader
 from service.fronts.http.openai_responses import ChatBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest
 from service.fronts.http.request_body import validated
@@ -304,7 +305,7 @@ def test_text_streams_at_once_until_a_call_may_begin():
 
 def builder(fmt: str | None, n: int = 1) -> ChatBuilder:
     accepted = AcceptedRequest(GenerationRequest("r", [1, 2, 3], n=n), "r", "", False)
-    return ChatBuilder("m", [accepted], None, tool_parser=ToolCallParser(fmt, NAMES) if fmt else None)
+    return ChatBuilder("m", [accepted], None, reader=OutputReader(ToolCallParser(fmt, NAMES), None) if fmt else None)
 
 
 def events(text: str, index: int = 0, finish: FinishReason = FinishReason.EOS, step: int = 3) -> list[TokenEvent]:

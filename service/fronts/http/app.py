@@ -29,6 +29,7 @@ from starlette.routing import Route
 from service import logs
 from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
+from service.fronts.chat_output import output_reader
 from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
@@ -132,16 +133,16 @@ class HttpFront:
         constraint, constraint_field = constraint_of(body, tools)
         names = chat_names(body, constraint_field)
 
-        def render() -> list[int]:
+        def render() -> tuple[str, list[int]]:
             try:
                 text = template.render(conversation, add_generation_prompt=body.add_generation_prompt,
-                                       tools=tools.tools if tools else None)
+                                       tools=tools.tools if tools else None, **(body.chat_template_kwargs or {}))
             except ChatTemplateError as e:
                 raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
             check_text_fits("messages", text, facts)
-            return facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+            return text, facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
 
-        ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
+        text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
         if not ids:
             raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
         fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
@@ -150,7 +151,7 @@ class HttpFront:
         accepted = self._accept(fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
         builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body),
-                              tools.parser if tools else None)
+                              output_reader(template.source, text, tools, constraint is not None))
         return await self._generate(request, call, [accepted], builder, bool(body.stream), names)
 
     # ---- generation -----------------------------------------------------------------------------

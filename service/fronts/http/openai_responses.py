@@ -5,8 +5,8 @@ A request with P prompts and `n` samples has P·n choices; prompt p's sample j i
 as OpenAI numbers them. Each choice's text is the concatenation of its events' text deltas (the
 detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`;
 with `echo` and logprobs, the prompt's tokens and their logprobs come first (in a stream, in the first chunk).
-A chat request with tools reads each choice's text into content and `tool_calls`
-(`service.fronts.tool_calls`), whole or as it streams.
+A chat request with tools, or for a model that writes reasoning sections, reads each choice's text into
+`reasoning_content`, content and `tool_calls` (`service.fronts.chat_output`), whole or as it streams.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.request import FinishReason, TokenEvent
+from service.fronts.chat_output import OutputReader
 from service.fronts.draft_counts import DraftCounts
 from service.fronts.http.response_streams import sse
 from service.fronts.token_texts import TokenTexts
-from service.fronts.tool_calls import ParsedMessage, ToolCallParser
+from service.fronts.tool_calls import ParsedMessage
 from service.fronts.validation import AcceptedRequest
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
@@ -203,10 +204,10 @@ class ChatBuilder(ResponseBuilder):
     id_prefix = "chatcmpl-"
 
     def __init__(self, model: str, accepted_requests: list[AcceptedRequest], texts: TokenTexts,
-                 include_usage: bool = False, tool_parser: ToolCallParser | None = None):
+                 include_usage: bool = False, reader: OutputReader | None = None):
         super().__init__(model, accepted_requests, texts, include_usage)
-        self.tool_parser = tool_parser  # None: the text is all content
-        self._tool_streams = [tool_parser.stream() for _ in self.choices] if tool_parser else []
+        self.reader = reader  # None: the text is all content
+        self._streams = [reader.stream() for _ in self.choices] if reader else []
         self._calls_sent = [0 for _ in self.choices]
 
     def _new_logprobs(self) -> list[dict]:
@@ -224,15 +225,15 @@ class ChatBuilder(ResponseBuilder):
 
     def role_chunks(self) -> list[bytes]:
         """The first chunk of each choice: its role (and no content yet when it may be calls instead)."""
-        content = None if self.tool_parser else ""
+        content = None if self.reader and self.reader.tools else ""
         return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": content},
                                     "logprobs": None, "finish_reason": None}], chunk=True)) for c in self.choices]
 
     def _chunk_choice(self, index: int, text: str, logprobs: list | None) -> dict[str, Any] | None:
         finish_reason = self.choices[index].finish_reason
         delta: dict[str, Any] = {"content": text}
-        if self.tool_parser:
-            stream = self._tool_streams[index]
+        if self.reader:
+            stream = self._streams[index]
             piece = stream.feed(text)
             if finish_reason is not None:
                 piece.extend(stream.finish())
@@ -246,8 +247,11 @@ class ChatBuilder(ResponseBuilder):
                             "finish_reason": finish_reason}, self.choices[index])
 
     def _delta(self, index: int, piece: ParsedMessage) -> dict[str, Any]:
-        """A piece of a message as OpenAI streams it: its content, and its calls numbered from the choice's first."""
-        delta: dict[str, Any] = {"content": piece.content} if piece.content else {}
+        """A piece of a message as OpenAI streams it (with vLLM's `reasoning_content`): its reasoning, its content,
+        and its calls numbered from the choice's first."""
+        delta: dict[str, Any] = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
+        if piece.content:
+            delta["content"] = piece.content
         if piece.calls:
             first = self._calls_sent[index]
             delta["tool_calls"] = [{"index": first + k, **call.openai()} for k, call in enumerate(piece.calls)]
@@ -257,10 +261,12 @@ class ChatBuilder(ResponseBuilder):
     def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
         """A choice's whole message and its finish reason."""
         text = "".join(choice.text)
-        if self.tool_parser is None:
+        if self.reader is None:
             return {"role": "assistant", "content": text}, choice.finish_reason
-        parsed = self.tool_parser.parse(text)
+        parsed = self.reader.parse(text)
         message = {"role": "assistant", "content": parsed.content}
+        if self.reader.reasoning:
+            message["reasoning_content"] = parsed.reasoning
         if not parsed.calls:
             return message, choice.finish_reason
         return {**message, "tool_calls": [call.openai() for call in parsed.calls]}, "tool_calls"

@@ -182,6 +182,7 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None
 
 
+TEMPLATE_FIELDS = ("messages", "tools", "add_generation_prompt", "documents")  # what render() passes itself
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
@@ -219,6 +220,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # OpenAI's, accepted and without effect here (docs/api.md)
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -230,6 +232,10 @@ class ChatCompletionRequest(SamplingFields):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         self._check_tools()
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_FIELDS:
+                raise InvalidRequest(f"chat_template_kwargs.{key}", f"is set by the request's own fields "
+                                     f"({', '.join(TEMPLATE_FIELDS)}); remove it")
         if self.store:
             raise InvalidRequest("store", "this server keeps no completions; leave it false or unset")
         if self.modalities is not None and self.modalities != ["text"]:

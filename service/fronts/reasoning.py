@@ -1,0 +1,120 @@
+"""Reasoning sections in a chat model's output: the `<think>…</think>` a reasoning model writes before its
+answer (Qwen3, SmolLM3, DeepSeek-R1), read apart from the answer, whole or as it streams.
+
+    if template_reasons(template.source):                  # the template mentions <think> or </think>
+        parser = ReasoningParser(opens_reasoning(prompt))  # the prompt ends inside <think> (DeepSeek-R1)
+        message = parser.parse(text)                       # ParsedMessage(content, reasoning=...)
+        stream = parser.stream()
+        piece = stream.feed(delta) ... stream.finish()     # the pieces add up to parse()
+
+An output read from the start of the answer is reasoning only when it begins (past whitespace) with
+`<think>`; then the reasoning runs to the first `</think>`, and the answer is what follows. Otherwise it is
+all answer, `<think>` further on included. An output that begins inside the section (its prompt ended
+with `<think>`, as DeepSeek-R1's generation prompt does) is reasoning up to the first `</think>`. A
+section that never closes (cut off by max_tokens) is all reasoning. Whitespace around the reasoning and
+before the answer is dropped, as the templates drop it when they render the turn again; an empty
+reasoning or answer is None.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from service.fronts.tool_formats.base import ParsedMessage, partial_tag
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def template_reasons(source: str) -> bool:
+    """Whether a chat template's model writes reasoning sections: the template mentions `<think>`, or
+    `</think>` (DeepSeek-R1's first templates only cut the reasoning out of earlier turns)."""
+    return THINK_OPEN in source or THINK_CLOSE in source
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt leaves the model inside a reasoning section: it ends with `<think>`."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+class ReasoningParser:
+    """Reads the reasoning section out of outputs whose prompt left the model inside one (`inside`) or not."""
+
+    def __init__(self, inside: bool = False):
+        self.inside = inside
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.inside)
+
+    def parse(self, text: str) -> ParsedMessage:
+        stream = self.stream()
+        message = stream.feed(text)
+        message.extend(stream.finish())
+        return message
+
+
+class ReasoningStream:
+    """Answer text is sent as it comes; reasoning too, but for what may begin `</think>` and trailing
+    whitespace, held until more reasoning follows."""
+
+    def __init__(self, inside: bool):
+        self.mode: Literal["start", "reasoning", "after", "answer"] = "reasoning" if inside else "start"
+        self.held = ""
+        self.reasoned = False  # reasoning other than whitespace has been sent
+
+    def feed(self, text: str) -> ParsedMessage:
+        self.held += text
+        out = ParsedMessage()
+        while True:
+            before = self.mode
+            if before == "start":
+                self._start()
+            elif before == "reasoning":
+                self._reasoning(out)
+            elif before == "after":
+                self._after()
+            if self.mode == "answer":
+                piece, self.held = self.held, ""
+                out.extend(ParsedMessage(piece or None))
+                return out
+            if self.mode == before:  # waiting for more text
+                return out
+
+    def finish(self) -> ParsedMessage:
+        out = ParsedMessage()
+        if self.mode == "start":  # too short to tell: it is answer
+            out.extend(ParsedMessage(self.held or None))
+        elif self.mode == "reasoning":  # never closed: all reasoning, but its trailing whitespace
+            self._send_reasoning(out, self.held.rstrip())
+        self.held = ""
+        return out
+
+    def _start(self) -> None:
+        begun = self.held.lstrip()
+        if begun.startswith(THINK_OPEN):
+            self.held, self.mode = begun[len(THINK_OPEN):], "reasoning"
+        elif begun and not THINK_OPEN.startswith(begun):
+            self.mode = "answer"
+
+    def _reasoning(self, out: ParsedMessage) -> None:
+        end = self.held.find(THINK_CLOSE)
+        if end >= 0:
+            self._send_reasoning(out, self.held[:end].rstrip())
+            self.held, self.mode = self.held[end + len(THINK_CLOSE):], "after"
+            return
+        safe = len(self.held) - partial_tag(self.held, THINK_CLOSE)
+        piece = self.held[:safe].rstrip()  # trailing whitespace is held: the section may end after it
+        self._send_reasoning(out, piece)
+        self.held = self.held[len(piece):]
+
+    def _send_reasoning(self, out: ParsedMessage, piece: str) -> None:
+        if not self.reasoned:  # the section's leading whitespace is dropped
+            piece = piece.lstrip()
+        if piece:
+            self.reasoned = True
+            out.extend(ParsedMessage(reasoning=piece))
+
+    def _after(self) -> None:
+        begun = self.held.lstrip()
+        self.held = begun
+        if begun:
+            self.mode = "answer"
