@@ -3,17 +3,22 @@
 `GPTConfig` is written next to the weights as `config.json`, so a model directory is
 self-describing. One decoder covers GPT-2 and the Llama family: the fields choose the positions
 (learned, sinusoidal or rotary), the norm (LayerNorm or RMSNorm), the feed-forward (GELU or
-SwiGLU), the key/value heads (grouped-query attention when fewer than the query heads), biases
-and tied embeddings. Field names follow our own vocabulary; `import_hf` maps Hugging Face names
-onto them.
+SwiGLU or GeGLU), the key/value heads (grouped-query attention when fewer than the query heads),
+biases and tied embeddings; sliding-window attention on some or all layers (Mistral, Qwen2, Gemma 2);
+and Gemma's extras: norms after each sublayer too, embeddings scaled by sqrt(d_model), an attention
+scale of its own, and tanh soft-capping of the attention scores and the final logits. Field names
+follow our own vocabulary; `import_hf` maps Hugging Face names onto them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from model.json_config import JsonConfig
+
+LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for a layer's attention
 
 
 @dataclass
@@ -34,8 +39,18 @@ class GPTConfig(JsonConfig):
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
-    mlp: Literal["gelu", "swiglu"] = "gelu"  # GELU MLP (GPT-2) or gated SiLU (Llama: down(silu(gate) * up))
+    mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # GELU MLP (GPT-2), gated SiLU (Llama: down(silu(gate) * up))
+    # or gated GELU (Gemma: down(gelu(gate) * up), the GELU of `activation`)
     activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
+    sliding_window: int | None = None  # on a windowed layer a query at position p sees keys p - window + 1 .. p
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"; None = every layer
+    # windowed when sliding_window is set
+    post_norms: bool = False  # also normalise each sublayer's output before its residual add (Gemma):
+    # x + Norm(Attn(Norm(x))), x + Norm(FFN(Norm(x)))
+    scale_embeddings: bool = False  # token embeddings times sqrt(d_model), rounded to the weights' dtype (Gemma)
+    attn_scale: float | None = None  # factor on q·k before the softmax; None = 1 / sqrt(d_head)
+    attn_softcap: float | None = None  # scores become cap · tanh(scores / cap) before the mask and softmax
+    final_softcap: float | None = None  # logits become cap · tanh(logits / cap)
     tie_embeddings: bool = True  # the output head reuses the token embedding matrix
     eos_token_id: int = 0  # end-of-sequence / document separator id
     eos_token_ids: list[int] | None = None  # every id that ends generation, when more than eos_token_id
@@ -47,11 +62,19 @@ class GPTConfig(JsonConfig):
         if self.n_head % self.kv_heads != 0:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         for name, allowed in (("pos_encoding", ("learned", "sinusoidal", "rotary")), ("norm", ("layernorm", "rmsnorm")),
-                              ("mlp", ("gelu", "swiglu")), ("activation", ("gelu_tanh", "gelu"))):
+                              ("mlp", ("gelu", "swiglu", "geglu")), ("activation", ("gelu_tanh", "gelu"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.pos_encoding == "rotary" and self.d_head % 2:
             raise ValueError(f"rotary positions need an even head width, got d_head={self.d_head}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 position, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has n_layer={self.n_layer}")
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise ValueError(f"layer_types must be among {LAYER_TYPES}, got {sorted(unknown)}")
 
     @property
     def kv_heads(self) -> int:
@@ -62,6 +85,19 @@ class GPTConfig(JsonConfig):
     def d_head(self) -> int:
         """Per-head key/query/value width, the d_k of the attention scale."""
         return self.d_model // self.n_head
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block `layer` (keys a query sees, itself included), or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def scale(self) -> float:
+        """The attention scale on q·k."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.d_head)
 
     @property
     def ff_width(self) -> int:

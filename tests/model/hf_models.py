@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face Llama-family checkpoints, built and saved in the test (nothing from a hub),
+"""Random-weight Hugging Face Llama-family (and Gemma 2) checkpoints, built and saved in the test (nothing from a hub),
 and transformers' own greedy continuation of a prompt, for parity tests."""
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ FAMILIES = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    # windows of 8 positions, so that prompts and their continuations cross them; 3 layers for both kinds
+    "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8)),
+    "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=8.0, final_logit_softcapping=12.0, pad_token_id=0)),
 }
 
 

@@ -1,5 +1,6 @@
-"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM built with
-transformers, saved locally, imported, and compared logit for logit and token for token."""
+"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM /
+Gemma2ForCausalLM (with and without sliding windows) built with transformers, saved locally, imported, and
+compared logit for logit and token for token."""
 
 from __future__ import annotations
 
@@ -25,10 +26,21 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     ours, tok = load_model_dir(tmp_path / "ours")
     c = ours.config
     assert (c.n_layer, c.n_head, c.kv_heads, c.d_model, c.ff_width, c.n_ctx) == (
-        2, 4, hf.config.num_key_value_heads, 64, 96, 128)
-    assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "swiglu", family == "qwen2")
+        hf.config.num_hidden_layers, 4, hf.config.num_key_value_heads, 64, 96, 128)
+    gemma = family == "gemma2"
+    assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "geglu" if gemma else "swiglu",
+                                                           family.startswith("qwen2"))
+    window = getattr(hf.config, "sliding_window", None)
+    hf_layers = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * c.n_layer  # Mistral: every layer
+    want_windows = [window if window and kind == "sliding_attention" else None for kind in hf_layers]
+    assert [c.window(i) for i in range(c.n_layer)] == want_windows
+    assert (c.post_norms, c.scale_embeddings, c.attn_softcap, c.final_softcap) == (
+        (True, True, 8.0, 12.0) if gemma else (False, False, None, None))
 
-    ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    # 40 tokens: past the sliding windows of 8
+    ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to "
+                                   "day, to the last syllable of recorded time")])
+    assert ids.shape[1] > 16
     with torch.no_grad():
         expected = hf(ids).logits
         got = ours(ids)
@@ -49,8 +61,11 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["GPTNeoXForCausalLM"]), "architecture GPTNeoXForCausalLM is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(sliding_window=32, architectures=["MistralForCausalLM"], model_type="mistral"),
-     "sliding_window 32 is shorter than the context"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_activation="gelu"),
+     "hidden_activation 'gelu' is not supported"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", use_bidirectional_attention=True),
+     "use_bidirectional_attention is not supported"),
+    (dict(head_dim=32), "head_dim 32 is not hidden_size / num_attention_heads"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
      "rope_scaling type 'yarn' is not supported"),
     (dict(attention_bias=True), "attention_bias"),
