@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.norm import RMSNorm
+
 
 def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -77,11 +79,18 @@ class MultiHeadAttention(nn.Module):
     values are projected, cached and returned by `project_qkv` per KV head, so a KV cache holds only
     those; `attend` repeats each across its group just before the attention itself, which is the same
     `scaled_dot_product_attention` as for plain multi-head attention.
+
+    The head width d_head defaults to d_model / n_head; a model may set its own (Qwen3: 128 for any
+    width), and the inner width is then n_head·d_head, which `out_proj` maps back to d_model. With
+    `qk_norm_eps` set, each query and each key head is RMS-normalised over its d_head dimensions with
+    learned weights (`q_norm`, `k_norm`, shared by the heads) as it is projected, so before any rotary
+    positions (Qwen3, Gemma 3).
     """
 
     def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True,
                  use_sdpa: bool = True, d_head: int | None = None, n_kv_head: int | None = None,
-                 qkv_bias: bool | None = None, scale: float | None = None, softcap: float | None = None):
+                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
+                 scale: float | None = None, softcap: float | None = None):
         super().__init__()
         if d_head is None:
             if d_model % n_head != 0:
@@ -102,10 +111,23 @@ class MultiHeadAttention(nn.Module):
         self.softcap = softcap  # scores soft-capped at ± softcap; torch's fused kernel has no such option
         self.qkv_proj = nn.Linear(d_model, self.d_inner + 2 * self.d_kv, bias=bias if qkv_bias is None else qkv_bias)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(d_head, qk_norm_eps), RMSNorm(d_head, qk_norm_eps)
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, heads, self.d_head).transpose(1, 2)  # (B, heads, T, D)
+
+    def _queries(self, q: Tensor) -> Tensor:
+        """(B, T, d_inner) -> (B, H, T, D), each head normalised when the model has q_norm."""
+        q = self._split_heads(q, self.n_head)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def _keys(self, k: Tensor) -> Tensor:
+        """(B, T, d_kv) -> (B, H_kv, T, D), each head normalised when the model has k_norm."""
+        k = self._split_heads(k, self.n_kv_head)
+        return k if self.k_norm is None else self.k_norm(k)
 
     def project_qkv(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Queries from x; keys and values from context (cross) or from x (self). q (B, H, T, D); k and v
@@ -113,19 +135,18 @@ class MultiHeadAttention(nn.Module):
         if context is not None:
             return (self.project_q(x), *self.project_kv(context))
         q, k, v = self.qkv_proj(x).split((self.d_inner, self.d_kv, self.d_kv), dim=-1)
-        return (self._split_heads(q, self.n_head), self._split_heads(k, self.n_kv_head),
-                self._split_heads(v, self.n_kv_head))
+        return self._queries(q), self._keys(k), self._split_heads(v, self.n_kv_head)
 
     def project_q(self, x: Tensor) -> Tensor:
         """The queries alone, (B, H, T, D): cross-attention projects its keys and values once per source."""
         w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
-        return self._split_heads(F.linear(x, w[:n], None if b is None else b[:n]), self.n_head)
+        return self._queries(F.linear(x, w[:n], None if b is None else b[:n]))
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of `context`, each (B, H_kv, Tk, D)."""
         w, b, n = self.qkv_proj.weight, self.qkv_proj.bias, self.d_inner
         k, v = F.linear(context, w[n:], None if b is None else b[n:]).split(self.d_kv, dim=-1)
-        return self._split_heads(k, self.n_kv_head), self._split_heads(v, self.n_kv_head)
+        return self._keys(k), self._split_heads(v, self.n_kv_head)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         """Attention over already projected heads; merges heads and applies W_O. Returns (B, Tq, d_model).
@@ -150,7 +171,7 @@ class MultiHeadAttention(nn.Module):
                 y = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p, scale=self.scale,
                                                  softcap=self.softcap)
         B, H, T, D = y.shape
-        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, Tq, d_model)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, Tq, d_inner)
         return self.out_proj(y)
 
     def forward(

@@ -4,10 +4,12 @@
 self-describing. One decoder covers GPT-2 and the Llama family: the fields choose the positions
 (learned, sinusoidal or rotary), the norm (LayerNorm or RMSNorm), the feed-forward (GELU or
 SwiGLU or GeGLU), the key/value heads (grouped-query attention when fewer than the query heads),
-biases and tied embeddings; sliding-window attention on some or all layers (Mistral, Qwen2, Gemma 2);
-and Gemma's extras: norms after each sublayer too, embeddings scaled by sqrt(d_model), an attention
-scale of its own, and tanh soft-capping of the attention scores and the final logits. Field names
-follow our own vocabulary; `import_hf` maps Hugging Face names onto them.
+biases, tied embeddings, and the per-head choices of newer families: a head width of its own (Qwen3,
+Gemma), an RMSNorm on each query and key head (Qwen3, Gemma 3), rotary positions on part of each head
+(Phi-3/4) or on no head at all in some blocks (SmolLM3); sliding-window attention on some or all layers
+(Mistral, Qwen2, Gemma 2/3); and Gemma's extras: norms after each sublayer too, embeddings scaled by
+sqrt(d_model), an attention scale of its own, and tanh soft-capping of the attention scores and the final
+logits. Field names follow our own vocabulary; `import_hf` maps Hugging Face names onto them.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ class GPTConfig(JsonConfig):
     vocab_size: int = 4096  # number of token ids the embedding and the output head cover
     n_ctx: int = 256  # longest sequence (prompt + generated) the model attends over
     n_layer: int = 4  # number of Transformer blocks
-    n_head: int = 4  # attention (query) heads per block; d_model must divide evenly among them
+    n_head: int = 4  # attention (query) heads per block; d_model must divide evenly among them unless head_dim is set
     n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (GQA); None = n_head
     d_model: int = 256  # width of the residual stream
+    head_dim: int | None = None  # query/key/value width per head; None = d_model / n_head (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm (weights per head dimension) on each query and key head, before rotary (Qwen3)
     d_ff: int | None = None  # hidden width of the feed-forward; None means 4 * d_model
     dropout: float = 0.0  # dropout on the embeddings and on each residual branch
     attn_dropout: float = 0.0  # dropout on attention weights; > 0 rules out torch's fused attention kernel
@@ -39,6 +43,8 @@ class GPTConfig(JsonConfig):
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
+    rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3's partial_rotary_factor)
+    no_rotary_layers: list[int] | None = None  # indices of the blocks that take no rotary positions (SmolLM3's NoPE layers)
     mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # GELU MLP (GPT-2), gated SiLU (Llama: down(silu(gate) * up))
     # or gated GELU (Gemma: down(gelu(gate) * up), the GELU of `activation`)
     activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
@@ -57,7 +63,7 @@ class GPTConfig(JsonConfig):
     bos_token_id: int | None = None  # beginning-of-sequence id, when the tokenizer has one
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_head != 0:
+        if self.head_dim is None and self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads != 0:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
@@ -65,8 +71,14 @@ class GPTConfig(JsonConfig):
                               ("mlp", ("gelu", "swiglu", "geglu")), ("activation", ("gelu_tanh", "gelu"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.pos_encoding == "rotary" and self.d_head % 2:
-            raise ValueError(f"rotary positions need an even head width, got d_head={self.d_head}")
+        if self.pos_encoding == "rotary" and self.rotary_dim % 2:
+            raise ValueError(f"rotary positions need an even rotated width, got {self.rotary_dim} of d_head={self.d_head}")
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
+        if (self.rotary_fraction != 1.0 or self.no_rotary_layers) and self.pos_encoding != "rotary":
+            raise ValueError("rotary_fraction and no_rotary_layers need pos_encoding='rotary'")
+        if any(not 0 <= i < self.n_layer for i in self.no_rotary_layers or []):
+            raise ValueError(f"no_rotary_layers {self.no_rotary_layers} must be block indices below n_layer={self.n_layer}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 position, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -83,8 +95,17 @@ class GPTConfig(JsonConfig):
 
     @property
     def d_head(self) -> int:
-        """Per-head key/query/value width, the d_k of the attention scale."""
-        return self.d_model // self.n_head
+        """Per-head key/query/value width, the d_k of the attention scale: head_dim, or d_model / n_head."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each query and key head rotary positions rotate (all by default)."""
+        return int(self.d_head * self.rotary_fraction)
+
+    def uses_rotary(self, layer: int) -> bool:
+        """Whether block `layer` rotates its queries and keys."""
+        return self.pos_encoding == "rotary" and layer not in (self.no_rotary_layers or [])
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys a query sees, itself included), or None for full attention."""

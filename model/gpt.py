@@ -3,8 +3,10 @@
 Blocks are pre-norm: x + Attn(Norm(x)), then x + FFN(Norm(x)); with `post_norms` (Gemma) each
 sublayer's output is normalised again before the add, x + Norm(Attn(Norm(x))). The config chooses the
 pieces: learned, sinusoidal or rotary positions (`rotary.py`), LayerNorm or RMSNorm (`norm.py`), a GELU,
-SwiGLU or GeGLU feed-forward, grouped-query attention, biases, tied embeddings, a sliding window on some
-or all layers, scaled embeddings, the attention scale and soft-capping of scores and logits. Parameter names map onto
+SwiGLU or GeGLU feed-forward, grouped-query attention, biases, tied embeddings, a head width of its own and
+query/key norms (`attention.py`), rotary positions on part of each head or in some blocks only, a sliding
+window on some or all layers, scaled embeddings, the attention scale and soft-capping of scores and
+logits. Parameter names map onto
 Hugging Face GPT-2 and Llama checkpoints (see `hf/import_hf.py`); our Linear weights are (out, in).
 
 `forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
@@ -63,8 +65,10 @@ class TransformerBlock(nn.Module):
         c = config
         self.window = c.window(layer)  # keys a query sees, itself included; None = every earlier one
         self.ln_1 = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.bias)
-        self.attn = MultiHeadAttention(c.d_model, c.n_head, c.attn_dropout, c.bias, n_kv_head=c.kv_heads,
-                                       qkv_bias=c.qkv_bias, scale=c.attn_scale, softcap=c.attn_softcap)
+        self.attn = MultiHeadAttention(c.d_model, c.n_head, c.attn_dropout, c.bias, d_head=c.d_head,
+                                       n_kv_head=c.kv_heads, qkv_bias=c.qkv_bias,
+                                       qk_norm_eps=c.layer_norm_eps if c.qk_norm else None,
+                                       scale=c.attn_scale, softcap=c.attn_softcap)
         self.ln_2 = make_norm(c.norm, c.d_model, c.layer_norm_eps, c.bias)
         self.ffn = FeedForward(config)
         if c.post_norms:  # Gemma normalises each sublayer's output before the residual add
@@ -102,7 +106,8 @@ class GPT(nn.Module):
         elif config.pos_encoding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(config.n_ctx, config.d_model), persistent=False)
         else:
-            self.rotary = RotaryEmbedding(config.d_head, config.rope_theta, config.rope_scaling)
+            # the angles cover the rotated dimensions only: ω_i = theta^(-2i/rotary_dim), as HF Phi-3 computes them
+            self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.ln_f = make_norm(config.norm, config.d_model, config.layer_norm_eps, config.bias)
@@ -183,7 +188,7 @@ class GPT(nn.Module):
             x = x + self.position_embedding(position_ids)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, masks[block.window], kv_cache, i, rotary)
+            x = block(x, masks[block.window], kv_cache, i, rotary if self.config.uses_rotary(i) else None)
         if kv_cache is not None:
             kv_cache.advance(T)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)

@@ -59,8 +59,14 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x_i, x_{i+d/2}) of x (B, H, T, D) by its angle; cos/sin broadcast to x."""
-    return x * cos + rotate_half(x) * sin
+    """Rotate each pair (x_i, x_{i+d/2}) of x (B, H, T, D) by its angle; cos/sin broadcast to x. When cos and
+    sin are d < D wide (partial rotary, Phi-3/4), only x's first d dimensions rotate, paired within
+    themselves (x_i with x_{i+d/2}), and the rest pass through, as Hugging Face's Phi-3 does."""
+    d = cos.size(-1)
+    if d == x.size(-1):
+        return x * cos + rotate_half(x) * sin
+    rotated, kept = x[..., :d], x[..., d:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, kept), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

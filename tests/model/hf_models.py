@@ -18,27 +18,38 @@ FAMILIES = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    # a head width of its own (4 x 32 = 128 wide attention on a 64 wide stream), query/key norms
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=True)),
+    # the second block without rotary positions (1 = rotary, as in SmolLM3's config)
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0])),
+    # rotary on the leading 0.75 of each head as in Phi-4-mini, fused qkv_proj and gate_up_proj
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(partial_rotary_factor=0.75,
+                                                                         tie_word_embeddings=False)),
     # windows of 8 positions, so that prompts and their continuations cross them; 3 layers for both kinds
     "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8)),
     "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-        attn_logit_softcapping=8.0, final_logit_softcapping=12.0, pad_token_id=0)),
+        attn_logit_softcapping=8.0, final_logit_softcapping=12.0)),
 }
 
 
 def save_random(path, tokenizer, family: str, shard: bool = False, **overrides):
     config_cls, model_cls, extra = FAMILIES[family]
     fields = dict(SMALL, vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.eos_id,
-                  **extra)
+                  pad_token_id=tokenizer.eos_id, **extra)
     fields.update(overrides)
     torch.manual_seed(0)
     hf = model_cls(config_cls(**fields)).eval()
     with torch.no_grad():  # random init is near-uniform; wider weights make every logit matter
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif family.startswith("gemma") and name.endswith("norm.weight"):  # Gemma computes x̂·(1 + w)
+                p.normal_(0.0, 0.2)
+            elif p.numel() == getattr(hf.config, "head_dim", -1):  # query/key norms: not all ones
+                p.normal_(1.0, 0.2)
     hf.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
     tokenizer.save(path / "tokenizer.json")
     return hf

@@ -36,6 +36,9 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     assert [c.window(i) for i in range(c.n_layer)] == want_windows
     assert (c.post_norms, c.scale_embeddings, c.attn_softcap, c.final_softcap) == (
         (True, True, 8.0, 12.0) if gemma else (False, False, None, None))
+    assert (c.d_head, c.qk_norm, c.rotary_dim, c.no_rotary_layers) == {
+        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None)}.get(
+        family, (16, False, 16, None))
 
     # 40 tokens: past the sliding windows of 8
     ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to "
@@ -58,6 +61,29 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
     assert json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"] == [0, 5, 7]
 
 
+@pytest.mark.parametrize("family,change,message", [
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}),
+     "rope_scaling type 'longrope' is not supported"),
+    ("phi3", dict(sliding_window=64), "sliding_window 64 is shorter than the context"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
+    ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers has 3 entries for 2 layers"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("phi3", dict(partial_rotary_factor=0.5625, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+     "even rotated width, got 9"),
+])
+def test_an_option_of_the_newer_families_the_decoder_lacks_is_refused(tiny_tokenizer, tmp_path, capsys, family,
+                                                                      change, message):
+    save_random(tmp_path / "hf", tiny_tokenizer, family)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()
+    assert main([str(tmp_path / "hf"), "-o", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["GPTNeoXForCausalLM"]), "architecture GPTNeoXForCausalLM is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
@@ -65,7 +91,6 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
      "hidden_activation 'gelu' is not supported"),
     (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", use_bidirectional_attention=True),
      "use_bidirectional_attention is not supported"),
-    (dict(head_dim=32), "head_dim 32 is not hidden_size / num_attention_heads"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
      "rope_scaling type 'yarn' is not supported"),
     (dict(attention_bias=True), "attention_bias"),
