@@ -108,6 +108,8 @@ class GPT(nn.Module):
         else:
             # the angles cover the rotated dimensions only: ω_i = theta^(-2i/rotary_dim), as HF Phi-3 computes them
             self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+        if config.scale_embeddings:  # Gemma: sqrt(d_model) in the weights' dtype (a buffer follows .to(dtype))
+            self.register_buffer("emb_scale", torch.tensor(math.sqrt(config.d_model)), persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.ln_f = make_norm(config.norm, config.d_model, config.layer_norm_eps, config.bias)
@@ -179,8 +181,8 @@ class GPT(nn.Module):
                 masks[window] = masks[window] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, total)
 
         x = self.tok_emb(input_ids)  # (B, T, d_model)
-        if self.config.scale_embeddings:  # Gemma: sqrt(d_model) rounded to the weights' dtype first
-            x = x * torch.tensor(math.sqrt(self.config.d_model), dtype=x.dtype)
+        if self.config.scale_embeddings:
+            x = x * self.emb_scale
         rotary = None
         if self.rotary is not None:
             rotary = self.rotary(position_ids)
