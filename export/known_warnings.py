@@ -34,6 +34,7 @@ HARMLESS_TRACER_STATEMENTS = {
         "query and KV head counts are the model's",
     ("model/attention.py", "scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)"):
         "the head size is the model's",
+    ("model/rotary.py", "if d == x.size(-1):"): "the rotated width and the head width are the model's",
 }
 QUANTIZER_PREPROCESS_HINT = "Please consider to run pre-processing before quantization"
 

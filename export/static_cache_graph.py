@@ -6,7 +6,10 @@ every step. This one is built op by op from the model's weights around onnxrunti
 num_heads for GPT-2; fewer for grouped-query models, whose cache is that much smaller). For a
 Llama-style model the queries and keys are rotated by the attention op itself (do_rotary, from
 cos/sin tables built at export), or where its kernel does not take the head width by
-`com.microsoft.RotaryEmbedding` ops at `position_ids` before it; the norms are RMSNorms
+`com.microsoft.RotaryEmbedding` ops at `position_ids` before it. Partial rotary (the leading rotary_dim
+dimensions of each head) is a cos/sin table rotary_dim/2 wide, which the attention op takes when that is a
+multiple of 8 and the RotaryEmbedding ops always; a block without rotary positions is not rotated at all;
+query/key norms normalise each projected head before either rotation. The norms are RMSNorms
 (`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
 feed-forward is SwiGLU or GeGLU (gate and up in one MatMul). The attention op also takes each layer's
 sliding window (`local_window_size`: onnxruntime 1.32's window of W keys is transformers' `sliding_window`
@@ -121,6 +124,15 @@ class GraphBuilder:
         return self.node("BiasGelu", [x, bias], [out], domain=MS_DOMAIN) if bias else \
             self.node("Gelu", [x], [out], domain=MS_DOMAIN)
 
+    def head_norm(self, x: str, prefix: str, heads: int, d_head: int, eps: float, out: str) -> str:
+        """RMSNorm over each head of x (B, S, heads·d_head) with the weights `prefix`.weight (d_head,): the query
+        and key norms of `MultiHeadAttention`."""
+        split = self.node("Reshape", [x, self.const(f"{out}_heads", np.array([0, 0, heads, d_head], np.int64))],
+                          [f"{out}_split"])  # (B, S, heads, d_head)
+        normed = self.norm(split, prefix, True, eps, f"{out}_normed")
+        return self.node("Reshape", [normed, self.const(f"{out}_flat", np.array([0, 0, heads * d_head], np.int64))],
+                         [out])  # (B, S, heads·d_head)
+
     def feed_forward(self, h: str, prefix: str, config, i: int) -> str:
         """GELU MLP, SwiGLU or GeGLU; returns the down projection's output, before its bias."""
         if config.mlp in ("swiglu", "geglu"):  # gate and up in one MatMul, then act(gate) * up
@@ -145,11 +157,20 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     """The graph, its weights written to `data` as they are made (None: inside the graph).
     `rotary_in_attention` rotates queries and keys inside GroupQueryAttention (do_rotary, positions from
     seqlens_k, 2 ops per layer fewer) instead of with RotaryEmbedding ops at position_ids; None chooses it
-    wherever the op allows it (head width a multiple of 16, as in every Llama-family model). Both run at
-    the same speed within 3% (docs/onnx.md)."""
+    wherever the op allows it (head width a multiple of 16, as in every Llama-family model; with partial rotary
+    also rotary_dim / 2 a multiple of 8, else the RotaryEmbedding ops turn the leading rotary_dim dimensions). Both
+    run at the same speed within 3% (docs/onnx.md). A model with query/key norms normalises each head of the
+    projected queries and keys before either rotation; a block without rotary positions attends unrotated."""
     c = model.config
+    # onnxruntime 1.32's kernel rotates the leading 2·w dimensions of each head for a cos table w wide, when w
+    # is a multiple of 8 (Phi-4-mini: 48 of 64 pairs); other partial widths go to RotaryEmbedding ops
+    attention_rotates = c.d_head % 16 == 0 and (c.rotary_dim == c.d_head or c.rotary_dim // 2 % 8 == 0)
     if rotary_in_attention is None:
-        rotary_in_attention = c.d_head % 16 == 0
+        rotary_in_attention = attention_rotates
+    if rotary_in_attention and not attention_rotates:
+        raise ValueError(f"GroupQueryAttention cannot rotate rotary_dim={c.rotary_dim} of d_head={c.d_head} "
+                         "(it needs a head width a multiple of 16 and rotary_dim / 2 a multiple of 8): "
+                         "use rotary_in_attention=False")
     rms, eps, H, H_kv, D = c.norm == "rmsnorm", c.layer_norm_eps, c.n_head, c.kv_heads, c.d_head
     if c.post_norms and (c.bias or c.qkv_bias):
         raise ValueError("norms after the sublayers are built for models without biases (Gemma's)")
@@ -161,29 +182,35 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
     if c.scale_embeddings:  # sqrt(d_model) in float32, as the model multiplies
         x = b.node("Mul", [x, b.const("emb_scale", np.array(math.sqrt(c.d_model), np.float32))], ["tok_x_scaled"])
-    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, D/2)
-        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inverse_frequencies(D, c.rope_theta,
-                                                                                   c.rope_scaling).numpy()[None]
+    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, rotary_dim/2)
+        inv_freq = inverse_frequencies(c.rotary_dim, c.rope_theta, c.rope_scaling).numpy()
+        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inv_freq[None]
         cos, sin = b.const("rope_cos", np.cos(angles)), b.const("rope_sin", np.sin(angles))
     else:
         pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
         x = b.node("Add", [x, pos], ["x_0"])
+    partial = {"rotary_embedding_dim": c.rotary_dim} if c.rotary_dim != D else {}
     h = b.norm(x, "blocks.0.ln_1", rms, eps, "h_0")
     for i in range(c.n_layer):
         p = f"blocks.{i}"
         qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, (H + 2 H_kv) D): q heads, k heads, v heads
-        if c.pos_encoding == "rotary" and not rotary_in_attention:
+        rotate_here = c.uses_rotary(i)
+        inside = rotate_here and rotary_in_attention
+        if c.qk_norm or (rotate_here and not inside):
             q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
             b.node("Split", [qkv, b.const(f"qkv_split_{i}", np.array([H * D, H_kv * D, H_kv * D], np.int64))],
                    [q, k, v], axis=-1)
-            q = b.node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"q_rot_{i}"], domain=MS_DOMAIN,
-                       num_heads=H, interleaved=0)
-            k = b.node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"k_rot_{i}"], domain=MS_DOMAIN,
-                       num_heads=H_kv, interleaved=0)
+            if c.qk_norm:  # per head, before any rotation (GroupQueryAttention's own comes after its inputs)
+                q = b.head_norm(q, f"{p}.attn.q_norm", H, D, eps, f"q_norm_{i}")
+                k = b.head_norm(k, f"{p}.attn.k_norm", H_kv, D, eps, f"k_norm_{i}")
+            if rotate_here and not inside:
+                q = b.node("RotaryEmbedding", [q, "position_ids", cos, sin], [f"q_rot_{i}"], domain=MS_DOMAIN,
+                           num_heads=H, interleaved=0, **partial)
+                k = b.node("RotaryEmbedding", [k, "position_ids", cos, sin], [f"k_rot_{i}"], domain=MS_DOMAIN,
+                           num_heads=H_kv, interleaved=0, **partial)
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]
-        inside = c.pos_encoding == "rotary" and rotary_in_attention
         attn = b.node("GroupQueryAttention",
                       [*qkv_inputs, in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length",
                        *([cos, sin] if inside else [])],

@@ -43,8 +43,8 @@ class GPTConfig(JsonConfig):
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
-    rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3's partial_rotary_factor)
-    no_rotary_layers: list[int] | None = None  # indices of the blocks that take no rotary positions (SmolLM3's NoPE layers)
+    rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3: 0.75)
+    no_rotary_layers: list[int] | None = None  # blocks (indices) whose attention takes no rotary positions (SmolLM3)
     mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # GELU MLP (GPT-2), gated SiLU (Llama: down(silu(gate) * up))
     # or gated GELU (Gemma: down(gelu(gate) * up), the GELU of `activation`)
     activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"  # the GELU MLP's; GPT-2 uses the tanh approximation
@@ -72,18 +72,21 @@ class GPTConfig(JsonConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.pos_encoding == "rotary" and self.rotary_dim % 2:
-            raise ValueError(f"rotary positions need an even rotated width, got {self.rotary_dim} of d_head={self.d_head}")
+            raise ValueError(f"rotary positions need an even rotated width, got {self.rotary_dim} of "
+                             f"d_head={self.d_head}")
         if not 0.0 < self.rotary_fraction <= 1.0:
             raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         if (self.rotary_fraction != 1.0 or self.no_rotary_layers) and self.pos_encoding != "rotary":
             raise ValueError("rotary_fraction and no_rotary_layers need pos_encoding='rotary'")
         if any(not 0 <= i < self.n_layer for i in self.no_rotary_layers or []):
-            raise ValueError(f"no_rotary_layers {self.no_rotary_layers} must be block indices below n_layer={self.n_layer}")
+            raise ValueError(f"no_rotary_layers {self.no_rotary_layers} must be block indices below "
+                             f"n_layer={self.n_layer}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 position, got {self.sliding_window}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.n_layer:
-                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has n_layer={self.n_layer}")
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                                 f"n_layer={self.n_layer}")
             unknown = set(self.layer_types) - set(LAYER_TYPES)
             if unknown:
                 raise ValueError(f"layer_types must be among {LAYER_TYPES}, got {sorted(unknown)}")

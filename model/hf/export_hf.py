@@ -1,18 +1,21 @@
 """Export an attnserve model directory as a Hugging Face directory (the inverse of `import_hf`):
-`GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or
-`Gemma2ForCausalLM` for Llama-style ones, and `BartForConditionalGeneration` for an encoder-decoder BART
-can express (`bart.py`).
+`GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` (or `Qwen3ForCausalLM`, `SmolLM3ForCausalLM`,
+`Phi3ForCausalLM`), `MistralForCausalLM`, `Qwen2ForCausalLM` or `Gemma2ForCausalLM` for Llama-style ones, and
+`BartForConditionalGeneration` for an encoder-decoder BART can express (`bart.py`).
 
     attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.hf.export_hf ...
 
 The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no biases make a Llama
-(grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept), a Mistral when every
-layer has the sliding window, a Qwen2 with query/key/value biases (a sliding window on any layers);
-rotary positions, RMSNorm, GeGLU, norms after the sublayers and scaled embeddings make a Gemma 2 (its
-norm weights written as w - 1, its attention scale as query_pre_attn_scalar, its soft-caps and windows
-kept); learned positions, LayerNorm, a GELU MLP (tanh or exact), biases, one KV head per query head and
-a tied head make a GPT-2. A model none can express (sinusoidal positions, a window on some layers with no
-biases, a mix of the families) is refused with the reason. A model without a BOS id gets its EOS id as BOS, as
+(grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept), or the Llama-family class
+that has what a Llama lacks: a Qwen3 for query/key norms, a SmolLM3 for blocks without rotary positions, a
+Phi-3 for partial rotary (its `qkv_proj` and `gate_up_proj` written fused, as Phi-3 stores them); a head
+width of its own is written as `head_dim` in any of them. The same with a sliding window on every layer make
+a Mistral, with query/key/value biases (and a sliding window on any layers) a Qwen2. Rotary positions, RMSNorm,
+GeGLU, norms after the sublayers and scaled embeddings make a Gemma 2 (its norm weights written as w - 1, its
+attention scale as query_pre_attn_scalar, its soft-caps and windows kept). Learned positions, LayerNorm, a GELU
+MLP (tanh or exact), biases, one KV head per query head and a tied head make a GPT-2. A model none can express
+(sinusoidal positions, a window on some layers with no biases, a mix of the families) is refused with the
+reason. A model without a BOS id gets its EOS id as BOS, as
 GPT-2 has (the tokenizer adds neither).
 
 The result loads offline with `transformers.AutoModelForCausalLM.from_pretrained(<hf dir>)` and
@@ -56,12 +59,15 @@ def family_needs(config: GPTConfig) -> dict[str, dict[str, bool]]:
     plain = {"pre-norm blocks with unscaled embeddings and no soft-capping": not c.post_norms
              and not c.scale_embeddings and c.attn_scale is None and c.attn_softcap is None and c.final_softcap is None}
     swiglu = {**rotary, "a SwiGLU MLP": c.mlp == "swiglu", **plain}
+    # query/key norms, partial rotary and blocks without rotary positions are the Llama subclasses' alone
+    llama_only = {"no query/key norms, partial rotary or blocks without rotary positions": llama_family(c) == "llama"}
     return {
         "llama": {**swiglu, "no biases": not c.bias and not c.qkv_bias, "no sliding window": not any(windows)},
-        "mistral": {**swiglu, "no biases": not c.bias and not c.qkv_bias,
+        "mistral": {**swiglu, **llama_only, "no biases": not c.bias and not c.qkv_bias,
                     "a sliding window on every layer": all(windows)},
-        "qwen2": {**swiglu, "biases on the query/key/value projection alone": not c.bias and c.qkv_bias is True},
-        "gemma2": {**rotary, "a GeGLU MLP (tanh GELU)": c.mlp == "geglu" and c.activation == "gelu_tanh",
+        "qwen2": {**swiglu, **llama_only,
+                  "biases on the query/key/value projection alone": not c.bias and c.qkv_bias is True},
+        "gemma2": {**rotary, **llama_only, "a GeGLU MLP (tanh GELU)": c.mlp == "geglu" and c.activation == "gelu_tanh",
                    "norms after each sublayer": c.post_norms, "scaled embeddings": c.scale_embeddings,
                    "no biases": not c.bias and not c.qkv_bias,
                    "an attention scale of 1 / sqrt(an integer)": query_pre_attn_scalar(c) is not None},
@@ -94,6 +100,18 @@ def query_pre_attn_scalar(config: GPTConfig) -> int | None:
         return config.d_head
     s = round(config.attn_scale ** -2)
     return s if s > 0 and float(s) ** -0.5 == config.attn_scale else None
+
+
+def llama_family(config: GPTConfig) -> str:
+    """The Llama-family class that expresses a Llama-style model: "qwen3" for query/key norms, "smollm3" for
+    blocks without rotary positions, "phi3" for partial rotary (its projections fused), else "llama"; a
+    model that needs two of them is refused, naming what it has."""
+    has = {"qwen3": config.qk_norm, "smollm3": bool(config.no_rotary_layers), "phi3": config.rotary_fraction != 1.0}
+    wanted = [family for family, needed in has.items() if needed]
+    if len(wanted) > 1:
+        raise ValueError("no Hugging Face class has query/key norms, blocks without rotary positions and partial "
+                         f"rotary together; this model needs {' and '.join(wanted)}")
+    return wanted[0] if wanted else "llama"
 
 
 def hf_config(config: GPTConfig) -> dict:
@@ -154,13 +172,37 @@ def gpt2_config(config: GPTConfig) -> dict:
     }
 
 
+FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
+
+
+def family_fields(config: GPTConfig, family: str) -> dict:
+    """What a Qwen3, SmolLM3 or Phi-3 config.json says beyond a Llama's: no sliding window anywhere, SmolLM3's
+    rotary flag per block (1 = rotary), Phi-3's rotated share; a pad id inside the vocabulary (their defaults
+    lie beyond small vocabularies)."""
+    if family == "llama":
+        return {}
+    fields = {"sliding_window": None, "pad_token_id": config.eos_token_id}
+    if family in ("qwen3", "smollm3"):
+        fields |= {"use_sliding_window": False, "max_window_layers": config.n_layer}
+    if family == "smollm3":
+        fields["no_rope_layers"] = [int(config.uses_rotary(i)) for i in range(config.n_layer)]
+    if family == "phi3":
+        fields |= {"partial_rotary_factor": config.rotary_fraction, "original_max_position_embeddings": config.n_ctx,
+                   "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    return fields
+
+
 def llama_config(config: GPTConfig) -> dict:
     # rope_theta and rope_scaling as transformers 4 (and llama.cpp's and CTranslate2's converters) read
     # them; rope_parameters as transformers 5 writes them
+    family = llama_family(config)
     rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    if family == "phi3":
+        rope["partial_rotary_factor"] = config.rotary_fraction
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILY_CLASSES[family]],
+        "model_type": family,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.n_ctx,
         "hidden_size": config.d_model,
@@ -184,6 +226,7 @@ def llama_config(config: GPTConfig) -> dict:
         "bos_token_id": bos_id(config),
         "eos_token_id": eos_value(config),
         "torch_dtype": "float32",
+        **family_fields(config, family),
     }
 
 
@@ -198,19 +241,28 @@ def gpt2_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
 
 
 def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our parameter names -> `LlamaForCausalLM` names (and Mistral's, Qwen2's, Gemma 2's): `qkv_proj` split
-    into q, k and v (queries first, then the KV heads' keys, then their values, as `llama.convert_state_dict`
-    stacks them), Qwen2's biases likewise; Gemma's norm weights back to its w of x̂·(1 + w)."""
+    """Our parameter names -> the Llama-family class's names: `qkv_proj` split into q, k and v (queries first,
+    then the KV heads' keys, then their values, as `llama.convert_state_dict` stacks them; Qwen2's biases
+    likewise), or for Phi-3 kept fused, with `fc_gate` and `fc_in` fused into `gate_up_proj` (gate rows first)
+    as Phi-3 stores them; Gemma's norm weights back to its w of x̂·(1 + w)."""
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["ln_f.weight"]}
     q_width, kv_width = config.n_head * config.d_head, config.kv_heads * config.d_head
+    fused = llama_family(config) == "phi3"
     for i in range(config.n_layer):
-        pre = f"model.layers.{i}."
-        for param in ("weight", "bias") if config.qkv_bias else ("weight",):
-            q, k, v = state[f"blocks.{i}.attn.qkv_proj.{param}"].split([q_width, kv_width, kv_width])
-            out |= {pre + f"self_attn.q_proj.{param}": q, pre + f"self_attn.k_proj.{param}": k,
-                    pre + f"self_attn.v_proj.{param}": v}
-        for hf_name, ours in llama.block_map(config) + llama.SEPARATE_MLP:
-            out[pre + hf_name] = state[f"blocks.{i}.{ours}"]
+        pre, ours = f"model.layers.{i}.", f"blocks.{i}."
+        qkv = state[ours + "attn.qkv_proj.weight"]
+        if fused:
+            out[pre + "self_attn.qkv_proj.weight"] = qkv
+            out[pre + "mlp.gate_up_proj.weight"] = torch.cat([state[ours + "ffn.fc_gate.weight"],
+                                                              state[ours + "ffn.fc_in.weight"]])
+        else:
+            for param in ("weight", "bias") if config.qkv_bias else ("weight",):
+                q, k, v = state[ours + f"attn.qkv_proj.{param}"].split([q_width, kv_width, kv_width])
+                out |= {pre + f"self_attn.q_proj.{param}": q, pre + f"self_attn.k_proj.{param}": k,
+                        pre + f"self_attn.v_proj.{param}": v}
+            out |= {pre + hf_name: state[ours + name] for hf_name, name in llama.SEPARATE_MLP}
+        for hf_name, name in llama.block_map(config):
+            out[pre + hf_name] = state[ours + name]
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
     if config.post_norms:

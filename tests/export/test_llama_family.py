@@ -1,6 +1,8 @@
 """Llama-family models end to end: built with transformers (random weights, no hub), imported, exported
 (static-cache graph with grouped-query attention and rotary positions, and the standard graph), verified
-against PyTorch, and served by the engine: greedy tokens alone and batched equal transformers'. The
+against PyTorch, and served by the engine: greedy tokens alone and batched equal transformers'. The newer
+families (Qwen3's head width and query/key norms, SmolLM3's blocks without rotary positions, Phi-3/4's
+partial rotary and fused projections) go the same way, and pass the start-up batch-invariance probe. The
 windowed families (Mistral, Qwen2 on some layers, Gemma 2 on every other one) have windows of 8 positions,
 which the prompts and their continuations cross."""
 
@@ -12,8 +14,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from export.bundle_writer import export_bundle  # noqa: E402
+from export.static_cache_graph import export_static_cache_decoder  # noqa: E402
 from export.verify import verify, verify_static  # noqa: E402
-from model.checkpoint import load_model_dir  # noqa: E402
+from model.checkpoint import load_model_dir, save_model_dir  # noqa: E402
 from model.hf.import_hf import import_hf  # noqa: E402
 from service.engine.config import EngineConfig  # noqa: E402
 from service.engine.core import Engine  # noqa: E402
@@ -21,10 +24,13 @@ from service.runtime.bundle import read_manifest  # noqa: E402
 from service.runtime.concat_runner import ConcatRunner  # noqa: E402
 from service.runtime.self_check import check  # noqa: E402
 from service.runtime.static_runner import StaticRunner  # noqa: E402
+from tests.conftest import make_lively  # noqa: E402
 from tests.engine.harness import drive, greedy, random_prompt  # noqa: E402
 from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
 
-FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "mistral-window", "qwen2-window", "gemma2"]
+FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "smollm3", "phi3", "mistral-window", "qwen2-window",
+            "gemma2"]
+WINDOWED = {"mistral-window", "qwen2-window", "gemma2"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -47,18 +53,11 @@ def test_the_graphs_match_pytorch_and_the_cache_holds_only_kv_heads(family_bundl
     assert (m.architecture, m.n_head, m.kv_heads) == ("llama", 4, hf.config.num_key_value_heads)
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64))
     assert engine.kv.shape.n_head == hf.config.num_key_value_heads  # not the 4 query heads
+    assert m.d_head == (32 if family == "qwen3" else 16)  # Qwen3's own head width, not 64 / 4
     layers = hf.config.num_hidden_layers
     # K,V x layers x heads x ctx x d_head x 4 bytes: a windowed layer keeps the whole context too
-    assert engine.kv.shape.bytes_per_slot == 2 * layers * m.kv_heads * 128 * 16 * 4
-    assert [b.shape for b in engine.kv.buffers] == [(4, m.kv_heads, 128, 16)] * 2 * layers
-
-
-def test_every_graph_is_batch_invariant(family_bundle):
-    """The start-up self-check's probe: rows alone and in a batch of other lengths get the same bits. (Its
-    INT8 agreement bar is not asserted here: these random-weight models have near-ties a real model has not.)"""
-    _, _, _, bundle = family_bundle
-    assert check(StaticRunner(bundle, "static", provider="cpu")).invariance.identical
-    assert check(StaticRunner(bundle, "static-int8", provider="cpu"), allow_low_agreement=True).invariance.identical
+    assert engine.kv.shape.bytes_per_slot == 2 * layers * m.kv_heads * 128 * m.d_head * 4
+    assert [b.shape for b in engine.kv.buffers] == [(4, m.kv_heads, 128, m.d_head)] * 2 * layers
 
 
 def test_served_greedy_tokens_alone_and_batched_equal_transformers(family_bundle):
@@ -73,11 +72,53 @@ def test_served_greedy_tokens_alone_and_batched_equal_transformers(family_bundle
         assert drive(Engine(EngineConfig(**config)), [r]).tokens(r.request_id) == want
 
 
-def test_twelve_requests_at_once_equal_transformers(family_bundle):
-    """More requests than fit one step's token budget: chunked prefills beside decodes, rows of every length
-    on both sides of the window."""
+def test_twelve_requests_at_once_each_get_transformers_greedy_tokens(family_bundle):
     family, hf, _, bundle = family_bundle
     rng = np.random.default_rng(12)
+    requests = [greedy(f"r{i}", random_prompt(rng, int(n)), 12, ignore_eos=True)
+                for i, n in enumerate(rng.integers(1, 40, 12))]
+    running: list[int] = []
+    run = drive(Engine(EngineConfig(bundle=bundle, graph="static", max_running=12, max_batch_tokens=512)), requests,
+                before_step=lambda engine, step, run: running.append(engine.scheduler.num_running))
+    assert max(running) == 12  # every request decoded in the same batch
+    for r in requests:
+        assert run.tokens(r.request_id) == greedy_hf(hf, r.prompt_token_ids, 12), (family, r.request_id)
+
+
+def test_every_family_bundle_passes_the_start_up_batch_invariance_probe(family_bundle):
+    """Alone and in a batch, the same bits, fp32 and INT8. (The INT8 graph's top-1 agreement with fp32 on these
+    random-weight models sits near the 90% bar, 88-92% for every family, so it is not what is tested here.)"""
+    family, _, _, bundle = family_bundle
+    for graph in ("static", "static-int8"):
+        result = check(StaticRunner(bundle, graph, provider="cpu"), allow_low_agreement=True)
+        assert result.invariance.identical and result.invariance.max_abs_diff == 0, (family, graph)
+        assert result.invariance.batch > 1
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["rotary-in-attention", "rotary-ops"])
+def test_every_head_option_at_once_in_both_rotary_placements(tiny_tokenizer, tmp_path, inside):
+    """Query/key norms, a head width of its own (64 on a 32 wide stream), rotary on 48 of each head's 64
+    dimensions (24 pairs: the attention op's own rotation takes it) and a block without rotary positions:
+    the static graph, with the rotation inside GroupQueryAttention or in RotaryEmbedding ops, and the
+    standard graph both equal PyTorch."""
+    model = make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, n_layer=3, n_head=2, n_kv_head=1,
+                        d_model=32, head_dim=64, qk_norm=True, rotary_fraction=0.75, no_rotary_layers=[1],
+                        pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=48, tie_embeddings=False)
+    save_model_dir(model, tiny_tokenizer, tmp_path / "model")
+    export_bundle(tmp_path / "model", tmp_path / "bundle", name="heads")
+    export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
+    assert verify_static(model, tmp_path / "bundle", "static").passed
+    assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed
+    assert check(StaticRunner(tmp_path / "bundle", "static", provider="cpu")).invariance.identical
+
+
+def test_chunked_prefills_beside_decodes_across_the_window_equal_transformers(family_bundle):
+    """Twelve requests over a step budget of 48 tokens: prompts on both sides of the window of 8, prefilled in
+    chunks that start past it, beside rows decoding across it."""
+    family, hf, _, bundle = family_bundle
+    if family not in WINDOWED:
+        pytest.skip("no sliding window")
+    rng = np.random.default_rng(8)
     lengths = (1, 3, 7, 8, 9, 12, 16, 23, 30, 41, 5, 60)
     requests = [greedy(f"r{i}", random_prompt(rng, n), 16, ignore_eos=True) for i, n in enumerate(lengths)]
     run = drive(Engine(EngineConfig(bundle=bundle, graph="static", max_running=12, max_batch_tokens=48)), requests)

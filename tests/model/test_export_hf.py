@@ -157,3 +157,40 @@ def test_an_imported_checkpoint_exports_as_its_family_with_the_same_logits(tiny_
     assert sa.keys() == sb.keys()
     for k in sa:  # Gemma's norm weights go through w + 1 - 1 in float32
         torch.testing.assert_close(sb[k], sa[k], atol=1e-7 if family == "gemma2" else 0, rtol=0)
+
+
+# ---- Qwen3, SmolLM3, Phi-3 -> their own classes ---------------------------------------------------------
+
+@pytest.mark.parametrize("family,cls,fields", [
+    ("qwen3", "Qwen3ForCausalLM", dict(head_dim=32)),
+    ("smollm3", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    ("phi3", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75)),
+])
+def test_an_imported_checkpoint_exports_back_to_the_same_checkpoint(tiny_tokenizer, tmp_path, family, cls, fields):
+    """import-hf then export-hf gives transformers the class, the tensors under the names (Phi-3's fused
+    qkv_proj and gate_up_proj) and the settings it started from, and import-hf of that the same model."""
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    out = export_hf(tmp_path / "ours", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again).__name__ == cls
+    assert {k: getattr(again.config, k) for k in fields} == fields
+    assert again.config.rope_parameters["rope_theta"] == hf.config.rope_parameters["rope_theta"]
+    want, got = hf.state_dict(), again.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.tensor([tiny_tokenizer.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    import_hf(out, tmp_path / "twice")
+    a, _ = load_model_dir(tmp_path / "ours")
+    b, _ = load_model_dir(tmp_path / "twice")
+    assert b.config == a.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_model_no_hugging_face_class_expresses_is_refused(tiny_tokenizer, tmp_path, capsys):
+    model = make_model(vocab_size=tiny_tokenizer.vocab_size, **{**LLAMA_STYLE, "qk_norm": True, "rotary_fraction": 0.5})
+    save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
+    assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
+    assert "this model needs qwen3 and phi3" in capsys.readouterr().err

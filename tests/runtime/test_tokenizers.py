@@ -1,7 +1,7 @@
-"""The server's tokenization and streamed text equal transformers', for the two kinds of tokenizer the
-Llama family uses: SentencePiece-style BPE with byte fallback (Llama 2, TinyLlama: `▁` word prefixes,
+"""The server's tokenization and streamed text equal transformers', for the kinds of tokenizer the
+Llama family uses: SentencePiece-style BPE with byte fallback (Llama 2, TinyLlama, Phi-3: `▁` word prefixes,
 `<0xE2>` byte pieces; Gemma's variant: spaces as `▁` with no prefix added or stripped) and byte-level BPE
-(Qwen2, Llama 3, SmolLM2), each adding a BOS token."""
+(Llama 3, SmolLM2, SmolLM3), each adding a BOS token, and transformers' own `Qwen2Tokenizer` (Qwen2, Qwen3: NFC, Qwen's split pattern, byte-level, no BOS)."""
 
 from __future__ import annotations
 
@@ -60,9 +60,19 @@ def byte_level(tmp_path: Path) -> HFTokenizer:
     return tok
 
 
+def qwen_class(tmp_path: Path):
+    """transformers' Qwen2Tokenizer (Qwen3's too) over a vocabulary and merges trained here, saved as that class."""
+    trained = byte_level(tmp_path)
+    vocab_file, merges_file = trained.model.save(str(tmp_path))
+    merges = [tuple(line.split()) for line in Path(merges_file).read_text().splitlines()[1:] if line.strip()]
+    vocab = {"<|endoftext|>": 0, **{t: i for t, i in json.loads(Path(vocab_file).read_text()).items() if i > 1}}
+    return transformers.Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>")
+
+
 KINDS = {"sentencepiece-byte-fallback": (sentencepiece_style, "<s>", "</s>"),
          "gemma": (lambda path: sentencepiece_style(path, gemma=True), "<bos>", "<eos>"),
-         "byte-level": (byte_level, "<|begin_of_text|>", "<|end_of_text|>")}
+         "byte-level": (byte_level, "<|begin_of_text|>", "<|end_of_text|>"),
+         "qwen2-tokenizer": (qwen_class, None, "<|endoftext|>")}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -70,8 +80,10 @@ def pair(request, tmp_path_factory):
     """(ours, transformers' AutoTokenizer) over one tokenizer.json, saved as transformers saves it."""
     build, bos, eos = KINDS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=build(path), bos_token=bos, eos_token=eos)
-    fast.save_pretrained(path)
+    made = build(path)
+    if isinstance(made, HFTokenizer):  # a bare tokenizers object: saved through the generic class
+        made = transformers.PreTrainedTokenizerFast(tokenizer_object=made, bos_token=bos, eos_token=eos)
+    made.save_pretrained(path)
     auto = transformers.AutoTokenizer.from_pretrained(path)
     return Tokenizer.from_file(path / "tokenizer.json", eos_id=auto.eos_token_id), auto
 
@@ -80,7 +92,14 @@ def pair(request, tmp_path_factory):
 def test_encoding_equals_transformers_with_the_bos(pair, text):
     ours, auto = pair
     assert ours.encode(text) == auto(text).input_ids
-    assert ours.encode(text)[0] == auto.bos_token_id
+    if auto.bos_token_id is not None:
+        assert ours.encode(text)[0] == auto.bos_token_id
+
+
+def completion(auto, text: str) -> list[int]:
+    """The ids of `text` as a model would generate them: without the BOS the tokenizer adds, if any."""
+    ids = auto(text).input_ids
+    return ids[1:] if auto.bos_token_id is not None else ids
 
 
 def stream(ours: Tokenizer, ids: list[int], stop: list[str] | None = None) -> tuple[str, bool]:
@@ -98,13 +117,13 @@ def stream(ours: Tokenizer, ids: list[int], stop: list[str] | None = None) -> tu
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_text_equals_transformers_decode(pair, text):
     ours, auto = pair
-    ids = auto(text).input_ids[1:]  # a completion: what follows the BOS
+    ids = completion(auto, text)
     assert stream(ours, ids)[0] == auto.decode(ids, skip_special_tokens=True)
 
 
 def test_byte_pieces_split_across_tokens_and_invalid_bytes(pair):
     ours, auto = pair
-    ids = auto("東京 😀").input_ids[1:]
+    ids = completion(auto, "東京 😀")
     for cut in range(1, len(ids)):  # every prefix of a completion, complete characters or not
         assert stream(ours, ids[:cut])[0] == auto.decode(ids[:cut], skip_special_tokens=True)
     if ours.hf.token_to_id("<0xE2>") is not None:  # an invalid run of byte pieces: U+FFFD per byte, as transformers
@@ -114,6 +133,6 @@ def test_byte_pieces_split_across_tokens_and_invalid_bytes(pair):
 
 def test_a_stop_string_across_byte_pieces(pair):
     ours, auto = pair
-    ids = auto("say 東京 now").input_ids[1:]
+    ids = completion(auto, "say 東京 now")
     text, stopped = stream(ours, ids, stop=["京 n"])
     assert stopped and text == "say 東"
