@@ -1,15 +1,15 @@
 """Model configuration: the hyperparameters that fix a decoder's shape.
 
-`GPTConfig` is written next to the weights as `config.json`, so a model directory is
-self-describing. One decoder covers GPT-2 and the Llama family: the fields choose the positions
-(learned, sinusoidal or rotary), the norm (LayerNorm or RMSNorm), the feed-forward (GELU or
-SwiGLU or GeGLU), the key/value heads (grouped-query attention when fewer than the query heads),
-biases, tied embeddings, and the per-head choices of newer families: a head width of its own (Qwen3,
-Gemma), an RMSNorm on each query and key head (Qwen3, Gemma 3), rotary positions on part of each head
-(Phi-3/4) or on no head at all in some blocks (SmolLM3); sliding-window attention on some or all layers
-(Mistral, Qwen2, Gemma 2/3); and Gemma's extras: norms after each sublayer too, embeddings scaled by
-sqrt(d_model), an attention scale of its own, and tanh soft-capping of the attention scores and the final
-logits. Field names follow our own vocabulary; `import_hf` maps Hugging Face names onto them.
+`GPTConfig` is written next to the weights as `config.json`, so a model directory is self-describing. One
+decoder covers GPT-2 and the Llama family: the fields choose the positions (learned, sinusoidal or rotary),
+the norm (LayerNorm or RMSNorm), the feed-forward (GELU, SwiGLU or GeGLU), the key/value heads (grouped-query
+attention when fewer than the query heads), biases, tied embeddings, and the per-head choices of newer
+families: a head width of its own (Qwen3, Gemma), an RMSNorm on each query and key head (Qwen3, Gemma 3),
+rotary positions on part of each head (Phi-3/4) or on no head at all in some blocks (SmolLM3); sliding-window
+attention on some or all layers (Mistral, Qwen2, Gemma 2/3), with a rotary base of their own (Gemma 3); and
+Gemma's extras: norms after each sublayer too, embeddings scaled by sqrt(d_model), an attention scale of its
+own, and tanh soft-capping of the attention scores and the final logits. Field names follow our own
+vocabulary; `import_hf` maps Hugging Face names onto them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class GPTConfig(JsonConfig):
     pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"  # how positions enter the model
     rope_theta: float = 10000.0  # rotary base: the angle of pair i at position p is p / theta^(2i/d_head)
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} as in HF configs
+    rope_local_theta: float | None = None  # rotary base of the sliding-window layers when theirs differs (Gemma 3's
+    # rope_local_base_freq); they then take rope_local_scaling, the others rope_theta and rope_scaling
+    rope_local_scaling: dict | None = None  # the sliding-window layers' rope scaling, with rope_local_theta
     rotary_fraction: float = 1.0  # share of each head's dimensions rotated, the leading ones (Phi-3: 0.75)
     no_rotary_layers: list[int] | None = None  # blocks (indices) whose attention takes no rotary positions (SmolLM3)
     mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # GELU MLP (GPT-2), gated SiLU (Llama: down(silu(gate) * up))
@@ -109,6 +112,12 @@ class GPTConfig(JsonConfig):
     def uses_rotary(self, layer: int) -> bool:
         """Whether block `layer` rotates its queries and keys."""
         return self.pos_encoding == "rotary" and layer not in (self.no_rotary_layers or [])
+
+    def rope_of(self, layer: int) -> tuple[float, dict | None]:
+        """(rope_theta, rope_scaling) of block `layer`: the local ones on a windowed layer when the model has them."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return self.rope_local_theta, self.rope_local_scaling
+        return self.rope_theta, self.rope_scaling
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys a query sees, itself included), or None for full attention."""

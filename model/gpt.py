@@ -1,13 +1,13 @@
 """A decoder-only Transformer built from the attention in `attention.py`: GPT-2 or Llama-style.
 
-Blocks are pre-norm: x + Attn(Norm(x)), then x + FFN(Norm(x)); with `post_norms` (Gemma) each
-sublayer's output is normalised again before the add, x + Norm(Attn(Norm(x))). The config chooses the
-pieces: learned, sinusoidal or rotary positions (`rotary.py`), LayerNorm or RMSNorm (`norm.py`), a GELU,
-SwiGLU or GeGLU feed-forward, grouped-query attention, biases, tied embeddings, a head width of its own and
+Blocks are pre-norm: x + Attn(Norm(x)), then x + FFN(Norm(x)); with `post_norms` (Gemma) each sublayer's
+output is normalised again before the add, x + Norm(Attn(Norm(x))). The config chooses the pieces:
+learned, sinusoidal or rotary positions (`rotary.py`), LayerNorm or RMSNorm (`norm.py`), a GELU, SwiGLU
+or GeGLU feed-forward, grouped-query attention, biases, tied embeddings, a head width of its own and
 query/key norms (`attention.py`), rotary positions on part of each head or in some blocks only, a sliding
-window on some or all layers, scaled embeddings, the attention scale and soft-capping of scores and
-logits. Parameter names map onto
-Hugging Face GPT-2 and Llama checkpoints (see `hf/import_hf.py`); our Linear weights are (out, in).
+window on some or all layers (with a rotary base of their own), scaled embeddings, the attention scale
+and soft-capping of scores and logits. Parameter names map onto Hugging Face GPT-2 and Llama checkpoints
+(see `hf/import_hf.py`); our Linear weights are (out, in).
 
 `forward` takes optional `attention_mask` (B, past + T, 1 = attend), `position_ids` (B, T) and a
 `BatchKVCache`, so a left-padded batch can be prefilled and then decoded one token at a time.
@@ -108,6 +108,9 @@ class GPT(nn.Module):
         else:
             # the angles cover the rotated dimensions only: ω_i = theta^(-2i/rotary_dim), as HF Phi-3 computes them
             self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+            if config.rope_local_theta is not None:  # Gemma 3: the windowed layers' own base
+                self.rotary_local = RotaryEmbedding(config.rotary_dim, config.rope_local_theta,
+                                                    config.rope_local_scaling)
         if config.scale_embeddings:  # Gemma: sqrt(d_model) in the weights' dtype (a buffer follows .to(dtype))
             self.register_buffer("emb_scale", torch.tensor(math.sqrt(config.d_model)), persistent=False)
         self.drop = nn.Dropout(config.dropout)
@@ -183,14 +186,17 @@ class GPT(nn.Module):
         x = self.tok_emb(input_ids)  # (B, T, d_model)
         if self.config.scale_embeddings:
             x = x * self.emb_scale
-        rotary = None
+        rotary = rotary_local = None
         if self.rotary is not None:
-            rotary = self.rotary(position_ids)
+            rotary = rotary_local = self.rotary(position_ids)
+            if hasattr(self, "rotary_local"):
+                rotary_local = self.rotary_local(position_ids)
         else:
             x = x + self.position_embedding(position_ids)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, masks[block.window], kv_cache, i, rotary if self.config.uses_rotary(i) else None)
+            positions = (rotary_local if block.window else rotary) if self.config.uses_rotary(i) else None
+            x = block(x, masks[block.window], kv_cache, i, positions)
         if kv_cache is not None:
             kv_cache.advance(T)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)

@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Mistral, Qwen3, SmolLM3, Phi-3/4, Gemma 2) -> our
-config and parameter names.
+"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Mistral, Qwen3, SmolLM3, Phi-3/4, Gemma 2, Gemma 3 text)
+-> our config and parameter names.
 
 The HF layout is already the rotate-half convention our rotary positions use, so no weight is
 permuted: the query, key and value projections are stacked into `qkv_proj` (queries, then the KV
@@ -25,10 +25,14 @@ Gemma 2 differs in names and in its norms: post_attention_layernorm normalises t
 (our post_attn_norm), pre_feedforward_layernorm is our ln_2 and post_feedforward_layernorm our
 post_ffn_norm. Its RMSNorm computes x̂·(1 + w) in float32, so every norm weight is stored as w + 1 (in
 float32, as Gemma adds it) and our one RMSNorm computes the same product; `export_hf` subtracts the 1.
+Gemma 3 (text) adds query/key norms of the same kind (offset alike) and a rotary per layer kind: the
+sliding layers' base (`rope_local_base_freq`, or transformers 5's `rope_parameters["sliding_attention"]`)
+becomes `rope_local_theta`.
 
 Sliding windows: Mistral windows every layer when `sliding_window` is set; Qwen2 only with
 `use_sliding_window`, then the layers `layer_types` names (by default those from `max_window_layers`
-on); Gemma 2 the layers `layer_types` names (by default every other one, from the first).
+on); Gemma 2 and 3 the layers `layer_types` names (by default every other one from the first for Gemma 2,
+all but every `sliding_window_pattern`-th, 6, for Gemma 3).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from model.rotary import rope_type
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
                  "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
-                 "Gemma2ForCausalLM": "gemma2"}
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 BLOCK_MAP = [("input_layernorm.weight", "ln_1.weight"), ("self_attn.o_proj.weight", "attn.out_proj.weight"),
              ("post_attention_layernorm.weight", "ln_2.weight"), ("mlp.down_proj.weight", "ffn.fc_out.weight")]
 GEMMA_BLOCK_MAP = [("input_layernorm.weight", "ln_1.weight"), ("self_attn.o_proj.weight", "attn.out_proj.weight"),
@@ -57,11 +61,11 @@ class Unsupported(ValueError):
     """A checkpoint option this decoder does not have; the message names it."""
 
 
-def rope_settings(hf: dict) -> tuple[float, dict | None]:
+def rope_settings(hf: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json of either vintage: `rope_theta` + `rope_scaling`, or
     transformers 5's `rope_parameters`."""
     params = dict(hf.get("rope_parameters") or {})
-    theta = float(hf.get("rope_theta") or params.pop("rope_theta", 10000.0))
+    theta = float(hf.get("rope_theta") or params.pop("rope_theta", default_theta))
     params.pop("rope_theta", None)
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     try:
@@ -69,6 +73,20 @@ def rope_settings(hf: dict) -> tuple[float, dict | None]:
     except ValueError as e:
         raise Unsupported(str(e)) from None
     return theta, scaling
+
+
+def gemma3_rope(hf: dict) -> dict:
+    """Gemma 3's rotary per layer kind as GPTConfig fields: transformers 5's `rope_parameters` by layer type, or
+    the older `rope_theta` (global layers, default 1e6), `rope_scaling` and `rope_local_base_freq` (sliding
+    layers, default 1e4, unscaled)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        theta, scaling = rope_settings({"rope_parameters": params.get("full_attention")}, 1_000_000.0)
+        local_theta, local_scaling = rope_settings({"rope_parameters": params.get("sliding_attention")}, 10_000.0)
+    else:
+        theta, scaling = rope_settings(hf, 1_000_000.0)
+        local_theta, local_scaling = float(hf.get("rope_local_base_freq", 10_000.0)), None
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta, rope_local_scaling=local_scaling)
 
 
 def rotary_fraction(hf: dict) -> float:
@@ -100,7 +118,8 @@ def head_dim(hf: dict) -> int | None:
     return None if width * heads == hidden else width
 
 
-NORMS = ("ln_1", "ln_2", "post_attn_norm", "post_ffn_norm", "ln_f")  # our RMSNorms, whose weights Gemma offsets
+# our RMSNorms, whose weights Gemma offsets
+NORMS = ("ln_1", "ln_2", "post_attn_norm", "post_ffn_norm", "ln_f", "q_norm", "k_norm")
 
 
 def is_norm(name: str) -> bool:
@@ -118,8 +137,9 @@ def windows(hf: dict, kind: str) -> tuple[int | None, list[str] | None]:
             return None, None
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
                                                 else "full_attention" for i in range(hf["num_hidden_layers"])]
-    elif kind == "gemma2":
-        layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+    elif kind in ("gemma2", "gemma3"):  # by default every 2nd (Gemma 2) or 6th (Gemma 3) layer is full
+        pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
+        layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                                 for i in range(hf["num_hidden_layers"])]
     else:  # Phi-3 attends over `sliding_window` whenever it is set, Qwen3 and SmolLM3 with use_sliding_window;
         # their layer rules are not mapped here, so a window that would shorten attention is refused
@@ -137,7 +157,7 @@ def windows(hf: dict, kind: str) -> tuple[int | None, list[str] | None]:
 
 
 def gemma_settings(hf: dict) -> dict:
-    """GPTConfig fields of Gemma 2's extras; Unsupported names any option the decoder does not have."""
+    """GPTConfig fields of Gemma 2's (and 3's) extras; Unsupported names any option the decoder does not have."""
     if hf.get("use_bidirectional_attention"):
         raise Unsupported("use_bidirectional_attention is not supported (the decoder is causal)")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in GELU_TANH:
@@ -149,7 +169,7 @@ def gemma_settings(hf: dict) -> dict:
 
 def config_from_hf(hf: dict, kind: str, eos_ids: list[int]) -> GPTConfig:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if kind == "gemma2":
+    if kind in ("gemma2", "gemma3"):
         extras = gemma_settings(hf)
     else:
         if hf.get("hidden_act", "silu") != "silu":
@@ -159,16 +179,19 @@ def config_from_hf(hf: dict, kind: str, eos_ids: list[int]) -> GPTConfig:
         raise Unsupported("attention_bias / mlp_bias on every projection are not supported")
     n_ctx = hf["max_position_embeddings"]
     window, layer_types = windows(hf, kind)
-    theta, scaling = rope_settings(hf)
-    fraction = rotary_fraction(hf)
+    if kind == "gemma3":  # a rotary per layer kind
+        rope = gemma3_rope(hf)
+    else:
+        theta, scaling = rope_settings(hf)
+        rope = dict(rope_theta=theta, rope_scaling=scaling)
     return GPTConfig(
         vocab_size=hf["vocab_size"], n_ctx=n_ctx, n_layer=hf["num_hidden_layers"], n_head=heads,
         n_kv_head=hf.get("num_key_value_heads") or heads, d_model=hidden, head_dim=head_dim(hf),
-        qk_norm=kind == "qwen3", d_ff=hf["intermediate_size"], bias=False, qkv_bias=kind == "qwen2",
-        layer_norm_eps=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", pos_encoding="rotary", rope_theta=theta,
-        rope_scaling=scaling, rotary_fraction=fraction, no_rotary_layers=no_rotary_layers(hf, kind),
+        qk_norm=kind in ("qwen3", "gemma3"), d_ff=hf["intermediate_size"], bias=False, qkv_bias=kind == "qwen2",
+        layer_norm_eps=hf.get("rms_norm_eps", 1e-6), norm="rmsnorm", pos_encoding="rotary", **rope,
+        rotary_fraction=rotary_fraction(hf), no_rotary_layers=no_rotary_layers(hf, kind),
         sliding_window=window, layer_types=layer_types,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", kind == "gemma2")), eos_token_id=eos_ids[0],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", kind.startswith("gemma"))), eos_token_id=eos_ids[0],
         eos_token_ids=eos_ids if len(eos_ids) > 1 else None, bos_token_id=hf.get("bos_token_id"), **extras)
 
 

@@ -32,6 +32,11 @@ FAMILIES = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
         attn_logit_softcapping=8.0, final_logit_softcapping=12.0)),
+    # a head width of its own, query/key norms, a window on all but every 3rd layer, each kind its own rotary base
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 
 

@@ -1,5 +1,5 @@
 """Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM /
-Gemma2ForCausalLM (with and without sliding windows) built with transformers, saved locally, imported, and
+Gemma2ForCausalLM / Gemma3ForCausalLM (with and without sliding windows) built with transformers, saved locally, imported, and
 compared logit for logit and token for token."""
 
 from __future__ import annotations
@@ -27,18 +27,22 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     c = ours.config
     assert (c.n_layer, c.n_head, c.kv_heads, c.d_model, c.ff_width, c.n_ctx) == (
         hf.config.num_hidden_layers, 4, hf.config.num_key_value_heads, 64, 96, 128)
-    gemma = family == "gemma2"
+    gemma = family.startswith("gemma")
     assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "geglu" if gemma else "swiglu",
                                                            family.startswith("qwen2"))
     window = getattr(hf.config, "sliding_window", None)
     hf_layers = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * c.n_layer  # Mistral: every layer
     want_windows = [window if window and kind == "sliding_attention" else None for kind in hf_layers]
     assert [c.window(i) for i in range(c.n_layer)] == want_windows
-    assert (c.post_norms, c.scale_embeddings, c.attn_softcap, c.final_softcap) == (
-        (True, True, 8.0, 12.0) if gemma else (False, False, None, None))
+    assert (c.post_norms, c.scale_embeddings, c.attn_softcap, c.final_softcap) == {
+        "gemma2": (True, True, 8.0, 12.0), "gemma3": (True, True, None, None)}.get(family, (False, False, None, None))
     assert (c.d_head, c.qk_norm, c.rotary_dim, c.no_rotary_layers) == {
-        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None)}.get(
-        family, (16, False, 16, None))
+        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None),
+        "gemma3": (32, True, 32, None)}.get(family, (16, False, 16, None))
+    if family == "gemma3":  # global layers: rope_theta, linearly scaled; sliding layers: their own base, unscaled
+        assert (c.rope_theta, c.rope_scaling["factor"], c.rope_local_theta, c.rope_local_scaling) == (
+            1_000_000.0, 2.0, 10_000.0, None)
+        assert [c.rope_of(i)[0] for i in range(3)] == [10_000.0, 10_000.0, 1_000_000.0]
 
     # 40 tokens: past the sliding windows of 8
     ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to "

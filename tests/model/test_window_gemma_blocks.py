@@ -13,11 +13,13 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.masking_utils import sliding_window_causal_mask_function  # noqa: E402
 from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
+from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
 
 from model.attention import MultiHeadAttention, sliding_window_mask  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
 from model.gpt import FeedForward  # noqa: E402
 from model.norm import RMSNorm  # noqa: E402
+from model.rotary import RotaryEmbedding  # noqa: E402
 from tests.conftest import LLAMA, make_model  # noqa: E402
 
 GEMMA = dict(LLAMA, qkv_bias=False, mlp="geglu", activation="gelu_tanh", post_norms=True, scale_embeddings=True,
@@ -98,11 +100,34 @@ def test_final_logits_are_soft_capped():
     torch.testing.assert_close(capped(ids), torch.tanh(raw / 0.2) * 0.2)
 
 
+@torch.no_grad()
+def test_each_layer_kind_takes_gemma3s_rotary():
+    """Gemma 3's rotary per layer kind: global layers rope_theta with its linear scaling, sliding ones their own
+    base, unscaled; our RotaryEmbedding of `config.rope_of(layer)` against transformers' for that layer type."""
+    hf_config = transformers.Gemma3TextConfig(
+        hidden_size=64, num_attention_heads=2, head_dim=32, num_hidden_layers=2, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    theirs = modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
+    config = GPTConfig(n_layer=2, d_model=64, n_head=2, head_dim=32, pos_encoding="rotary", rope_theta=1_000_000.0,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_theta=10_000.0,
+                       sliding_window=16, layer_types=list(hf_config.layer_types))
+    positions = torch.arange(300)[None]
+    for layer, kind in enumerate(hf_config.layer_types):
+        cos, sin = RotaryEmbedding(32, *config.rope_of(layer))(positions)
+        want_cos, want_sin = theirs(torch.zeros(1, 300, 64), positions, kind)
+        torch.testing.assert_close((cos[:, 0], sin[:, 0]), (want_cos, want_sin), atol=1e-6, rtol=0)
+    assert config.rope_of(0) != config.rope_of(1)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(LLAMA, sliding_window=5),
     dict(LLAMA, n_layer=3, sliding_window=5, layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     dict(GEMMA, n_layer=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-], ids=["every-layer", "some-layers", "gemma"])
+    dict(GEMMA, n_layer=3, sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+         head_dim=16, qk_norm=True, rope_theta=1_000_000.0, rope_local_theta=10_000.0, attn_softcap=None,
+         final_softcap=None),
+], ids=["every-layer", "some-layers", "gemma2", "gemma3"])
 @torch.no_grad()
 def test_windowed_decoding_from_the_cache_equals_a_full_forward(overrides):
     model = make_model(**overrides)
@@ -115,9 +140,10 @@ def test_windowed_decoding_from_the_cache_equals_a_full_forward(overrides):
         steps.append(model(ids[:, t:t + 1], kv_cache=cache))
     full = model(ids)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
-    unwindowed = make_model(**{**overrides, "sliding_window": None, "layer_types": None})
-    assert not torch.allclose(unwindowed(ids)[:, 6:], full[:, 6:], atol=1e-3)  # the window changes what is seen
-    torch.testing.assert_close(unwindowed(ids)[:, :5], full[:, :5], atol=1e-5, rtol=0)  # but not inside it
+    if model.config.rope_local_theta is None:  # else the windowed layers also rotate otherwise
+        unwindowed = make_model(**{**overrides, "sliding_window": None, "layer_types": None})
+        assert not torch.allclose(unwindowed(ids)[:, 6:], full[:, 6:], atol=1e-3)  # the window changes what is seen
+        torch.testing.assert_close(unwindowed(ids)[:, :5], full[:, :5], atol=1e-5, rtol=0)  # but not inside it
 
 
 @torch.no_grad()
