@@ -9,7 +9,8 @@ cos/sin tables built at export), or where its kernel does not take the head widt
 `com.microsoft.RotaryEmbedding` ops at `position_ids` before it. Partial rotary (the leading rotary_dim
 dimensions of each head) is a cos/sin table rotary_dim/2 wide, which the attention op takes when that is a
 multiple of 8 and the RotaryEmbedding ops always; a block without rotary positions is not rotated at all;
-query/key norms normalise each projected head before either rotation. The norms are RMSNorms
+query/key norms normalise each projected head before either rotation; sliding-window layers with a rotary
+base of their own (Gemma 3) take cos/sin tables of their own. The norms are RMSNorms
 (`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
 feed-forward is SwiGLU or GeGLU (gate and up in one MatMul). The attention op also takes each layer's
 sliding window (`local_window_size`: onnxruntime 1.32's window of W keys is transformers' `sliding_window`
@@ -182,10 +183,16 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
     if c.scale_embeddings:  # sqrt(d_model) in float32, as the model multiplies
         x = b.node("Mul", [x, b.const("emb_scale", np.array(math.sqrt(c.d_model), np.float32))], ["tok_x_scaled"])
-    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, rotary_dim/2)
-        inv_freq = inverse_frequencies(c.rotary_dim, c.rope_theta, c.rope_scaling).numpy()
-        angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inv_freq[None]
-        cos, sin = b.const("rope_cos", np.cos(angles)), b.const("rope_sin", np.sin(angles))
+    tables: dict[bool, tuple[str, str]] = {}  # cos/sin of every position's angles, (n_ctx, rotary_dim/2), by
+    # whether the layer takes the sliding-window layers' own rotary (Gemma 3)
+    if c.pos_encoding == "rotary":
+        kinds = {False: ("rope", c.rope_theta, c.rope_scaling)}
+        if c.rope_local_theta is not None:
+            kinds[True] = ("rope_local", c.rope_local_theta, c.rope_local_scaling)
+        for local, (name, theta, scaling) in kinds.items():
+            inv_freq = inverse_frequencies(c.rotary_dim, theta, scaling).numpy()
+            angles = np.arange(c.n_ctx, dtype=np.float32)[:, None] * inv_freq[None]
+            tables[local] = b.const(f"{name}_cos", np.cos(angles)), b.const(f"{name}_sin", np.sin(angles))
     else:
         pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
         x = b.node("Add", [x, pos], ["x_0"])
@@ -195,6 +202,8 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
         p = f"blocks.{i}"
         qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, (H + 2 H_kv) D): q heads, k heads, v heads
         rotate_here = c.uses_rotary(i)
+        if rotate_here:
+            cos, sin = tables[c.rope_local_theta is not None and c.window(i) is not None]
         inside = rotate_here and rotary_in_attention
         if c.qk_norm or (rotate_here and not inside):
             q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"

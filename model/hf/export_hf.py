@@ -48,7 +48,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
-FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "gpt2": "GPT-2"}
+FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+                "gpt2": "GPT-2"}
 
 
 def family_needs(config: GPTConfig) -> dict[str, dict[str, bool]]:
@@ -57,20 +58,24 @@ def family_needs(config: GPTConfig) -> dict[str, dict[str, bool]]:
     windows = [c.window(i) for i in range(c.n_layer)]
     rotary = {"rotary positions": c.pos_encoding == "rotary", "RMSNorm": c.norm == "rmsnorm"}
     plain = {"pre-norm blocks with unscaled embeddings and no soft-capping": not c.post_norms
-             and not c.scale_embeddings and c.attn_scale is None and c.attn_softcap is None and c.final_softcap is None}
+             and not c.scale_embeddings and c.attn_scale is None and c.attn_softcap is None and c.final_softcap is None,
+             "one rotary base for every layer": c.rope_local_theta is None}
     swiglu = {**rotary, "a SwiGLU MLP": c.mlp == "swiglu", **plain}
     # query/key norms, partial rotary and blocks without rotary positions are the Llama subclasses' alone
     llama_only = {"no query/key norms, partial rotary or blocks without rotary positions": llama_family(c) == "llama"}
+    gemma = {**rotary, "a GeGLU MLP (tanh GELU)": c.mlp == "geglu" and c.activation == "gelu_tanh",
+             "norms after each sublayer": c.post_norms, "scaled embeddings": c.scale_embeddings,
+             "no biases": not c.bias and not c.qkv_bias,
+             "an attention scale of 1 / sqrt(an integer)": query_pre_attn_scalar(c) is not None}
     return {
         "llama": {**swiglu, "no biases": not c.bias and not c.qkv_bias, "no sliding window": not any(windows)},
         "mistral": {**swiglu, **llama_only, "no biases": not c.bias and not c.qkv_bias,
                     "a sliding window on every layer": all(windows)},
         "qwen2": {**swiglu, **llama_only,
                   "biases on the query/key/value projection alone": not c.bias and c.qkv_bias is True},
-        "gemma2": {**rotary, **llama_only, "a GeGLU MLP (tanh GELU)": c.mlp == "geglu" and c.activation == "gelu_tanh",
-                   "norms after each sublayer": c.post_norms, "scaled embeddings": c.scale_embeddings,
-                   "no biases": not c.bias and not c.qkv_bias,
-                   "an attention scale of 1 / sqrt(an integer)": query_pre_attn_scalar(c) is not None},
+        "gemma2": {**gemma, **llama_only, "one rotary base for every layer": c.rope_local_theta is None},
+        "gemma3": {**gemma, "query/key norms": c.qk_norm,
+                   "rotary on every dimension of every block": c.rotary_fraction == 1.0 and not c.no_rotary_layers},
         "gpt2": {"learned positions": c.pos_encoding == "learned", "LayerNorm": c.norm == "layernorm",
                  "a GELU MLP": c.mlp == "gelu", "biases in every linear layer and norm": c.bias
                  and c.qkv_bias in (None, True), "one KV head per query head": c.kv_heads == c.n_head,
@@ -80,7 +85,7 @@ def family_needs(config: GPTConfig) -> dict[str, dict[str, bool]]:
 
 
 def architecture(config: GPTConfig) -> str:
-    """"llama", "mistral", "qwen2", "gemma2" or "gpt2", the first that expresses the model; ValueError naming
+    """"llama", "mistral", "qwen2", "gemma2", "gemma3" or "gpt2", the first that expresses the model; ValueError naming
     what the closest one lacks."""
     needs = family_needs(config)
     for family, need in needs.items():
@@ -129,13 +134,19 @@ def hf_config(config: GPTConfig) -> dict:
         cfg |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": windowed,
                 "sliding_window": config.sliding_window if windowed else None, "layer_types": layer_types,
                 "max_window_layers": layer_types.index("sliding_attention") if windowed else config.n_layer}
-    elif family == "gemma2":
-        for key in ("mlp_bias", "pretraining_tp", "hidden_act"):
-            cfg.pop(key)
-        cfg |= {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+    elif family in ("gemma2", "gemma3"):
+        for key in ("mlp_bias", "pretraining_tp", "hidden_act", "use_sliding_window", "max_window_layers"):
+            cfg.pop(key, None)
+        cfg |= {"architectures": [f"{family.capitalize()}ForCausalLM"], "model_type": family,
                 "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": query_pre_attn_scalar(config),
                 "sliding_window": config.sliding_window or config.n_ctx, "layer_types": layer_types,
                 "attn_logit_softcapping": config.attn_softcap, "final_logit_softcapping": config.final_softcap}
+    if family == "gemma3":  # a rotary per layer kind, by layer type as transformers 5 writes it, and the older keys
+        local_theta = config.rope_local_theta or config.rope_theta
+        local_scaling = config.rope_local_scaling if config.rope_local_theta is not None else config.rope_scaling
+        cfg |= {"model_type": "gemma3_text", "rope_local_base_freq": local_theta, "rope_parameters": {
+            "full_attention": {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
+            "sliding_attention": {"rope_type": "default", **(local_scaling or {}), "rope_theta": local_theta}}}
     return cfg
 
 

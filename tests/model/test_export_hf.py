@@ -1,4 +1,4 @@
-"""Export to a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2 or Gemma 2): transformers loads it offline
+"""Export to a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Gemma 2 or 3): transformers loads it offline
 and computes our logits, and import-hf gives back the same weights."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_the_shipped_model_exports_as_llama_with_its_logits(tmp_path):
 ])
 def test_a_model_no_family_expresses_is_refused(tiny_tokenizer, tmp_path, capsys, overrides, message):
     model = make_model(vocab_size=tiny_tokenizer.vocab_size, **{**LLAMA_STYLE, **overrides})
-    with pytest.raises(ValueError, match="none of Llama, Mistral, Qwen2, Gemma 2, GPT-2"):
+    with pytest.raises(ValueError, match="none of Llama, Mistral, Qwen2, Gemma 2, Gemma 3, GPT-2"):
         architecture(model.config)
     save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
     assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
@@ -132,7 +132,7 @@ def test_a_model_no_family_expresses_is_refused(tiny_tokenizer, tmp_path, capsys
 
 @pytest.mark.parametrize("family,architecture_name", [
     ("mistral-window", "MistralForCausalLM"), ("qwen2-window", "Qwen2ForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-    ("gemma2", "Gemma2ForCausalLM")])
+    ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
 def test_an_imported_checkpoint_exports_as_its_family_with_the_same_logits(tiny_tokenizer, tmp_path, family,
                                                                            architecture_name):
     original = save_random(tmp_path / "hf", tiny_tokenizer, family)
@@ -142,8 +142,8 @@ def test_an_imported_checkpoint_exports_as_its_family_with_the_same_logits(tiny_
     assert cfg["architectures"] == [architecture_name]
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again).__name__ == architecture_name
-    for key in ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                "final_logit_softcapping"):
+    gemma = ("head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    for key in ("sliding_window", "layer_types", "rope_parameters") + (gemma if family.startswith("gemma") else ()):
         assert getattr(again.config, key, None) == getattr(original.config, key, None), key
     ids = torch.randint(0, tiny_tokenizer.vocab_size, (2, 40))  # past the windows of 8
     with torch.no_grad():
@@ -156,7 +156,7 @@ def test_an_imported_checkpoint_exports_as_its_family_with_the_same_logits(tiny_
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:  # Gemma's norm weights go through w + 1 - 1 in float32
-        torch.testing.assert_close(sb[k], sa[k], atol=1e-7 if family == "gemma2" else 0, rtol=0)
+        torch.testing.assert_close(sb[k], sa[k], atol=1e-7 if family.startswith("gemma") else 0, rtol=0)
 
 
 # ---- Qwen3, SmolLM3, Phi-3 -> their own classes ---------------------------------------------------------
