@@ -76,6 +76,11 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
     ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("phi3", dict(partial_rotary_factor=0.5625, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
      "even rotated width, got 9"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope_scaling type 'yarn' is not supported"),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention is not supported"),
+    ("gemma2", dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
 ])
 def test_an_option_of_the_newer_families_the_decoder_lacks_is_refused(tiny_tokenizer, tmp_path, capsys, family,
                                                                       change, message):
