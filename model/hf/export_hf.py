@@ -9,10 +9,12 @@ The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no bi
 (grouped-query KV heads, tied or untied head, rope_theta and rope_scaling kept), or the Llama-family class
 that has what a Llama lacks: a Qwen3 for query/key norms, a SmolLM3 for blocks without rotary positions, a
 Phi-3 for partial rotary (its `qkv_proj` and `gate_up_proj` written fused, as Phi-3 stores them); a head
-width of its own is written as `head_dim` in any of them. The same with a sliding window on every layer make
-a Mistral, with query/key/value biases (and a sliding window on any layers) a Qwen2. Rotary positions, RMSNorm,
-GeGLU, norms after the sublayers and scaled embeddings make a Gemma 2 (its norm weights written as w - 1, its
-attention scale as query_pre_attn_scalar, its soft-caps and windows kept). Learned positions, LayerNorm, a GELU
+width of its own is written as `head_dim` in any of them. (A Phi-3 rotating whole heads, or a SmolLM3 with
+every block rotary, is a Llama: the same model, written as one.) The same with a sliding window on every layer
+make a Mistral, with query/key/value biases (and a sliding window on any layers) a Qwen2. Rotary positions,
+RMSNorm, GeGLU, norms after the sublayers and scaled embeddings make a Gemma 2 (its norm weights written as
+w - 1, its attention scale as query_pre_attn_scalar, its soft-caps and windows kept), with query/key norms a
+Gemma 3 (its rotary per layer kind as rope_parameters by layer type). Learned positions, LayerNorm, a GELU
 MLP (tanh or exact), biases, one KV head per query head and a tied head make a GPT-2. A model none can express
 (sinusoidal positions, a window on some layers with no biases, a mix of the families) is refused with the
 reason. A model without a BOS id gets its EOS id as BOS, as

@@ -194,3 +194,15 @@ def test_a_model_no_hugging_face_class_expresses_is_refused(tiny_tokenizer, tmp_
     save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
     assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
     assert "this model needs qwen3 and phi3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family,overrides", [("phi3", dict(partial_rotary_factor=1.0)),
+                                              ("smollm3", dict(no_rope_layers=[1, 1]))])
+def test_a_checkpoint_with_nothing_a_llama_lacks_exports_as_a_llama(tiny_tokenizer, tmp_path, family, overrides):
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family, **overrides)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "ours", tmp_path / "back")).eval()
+    assert type(again).__name__ == "LlamaForCausalLM"
+    ids = torch.tensor([tiny_tokenizer.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5
