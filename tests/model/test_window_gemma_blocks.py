@@ -77,10 +77,12 @@ def test_geglu_is_gemma2s_mlp():
     assert torch.equal(ours(x), theirs(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_scaled_embeddings_are_gemma2s():
-    model = make_model(**GEMMA, n_layer=1)
-    theirs = modeling_gemma2.Gemma2TextScaledWordEmbedding(97, 32, 0, embed_scale=32 ** 0.5)
+def test_scaled_embeddings_are_gemma2s(dtype):
+    """The factor √d_model rounded to the weights' dtype first, as Gemma does (in bfloat16, √32 is 5.65625)."""
+    model = make_model(**GEMMA, n_layer=1).to(dtype)
+    theirs = modeling_gemma2.Gemma2TextScaledWordEmbedding(97, 32, 0, embed_scale=32 ** 0.5).to(dtype)
     theirs.weight.copy_(model.tok_emb.weight)
     ids = torch.randint(0, 97, (2, 6))
     seen = []
