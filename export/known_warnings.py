@@ -32,7 +32,7 @@ HARMLESS_TRACER_STATEMENTS = {
         "a guard that raises; the graph's mask always has this shape",
     ("model/attention.py", "if k.size(1) != q.size(1):  # each KV head serves its group of query heads"):
         "query and KV head counts are the model's",
-    ("model/attention.py", "scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)"):
+    ("model/attention.py", "scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)"):
         "the head size is the model's",
     ("model/rotary.py", "if d == x.size(-1):"): "the rotated width and the head width are the model's",
 }

@@ -10,9 +10,14 @@ kernel does not take the head width by `com.microsoft.RotaryEmbedding` ops at `p
 Partial rotary (the leading rotary_dim
 dimensions of each head) is a cos/sin table rotary_dim/2 wide, which the attention op takes when that is a
 multiple of 8 and the RotaryEmbedding ops always; a block without rotary positions is not rotated at all;
-query/key norms normalise each projected head before either rotation. The norms are RMSNorms
+query/key norms normalise each projected head before either rotation; sliding-window layers with a rotary
+base of their own (Gemma 3) take cos/sin tables of their own. The norms are RMSNorms
 (`SkipSimplifiedLayerNormalization` fuses each residual add into the next norm) and the
-feed-forward is SwiGLU (gate and up in one MatMul):
+feed-forward is SwiGLU or GeGLU (gate and up in one MatMul). The attention op also takes each layer's
+sliding window (`local_window_size`: onnxruntime 1.32's window of W keys is transformers' `sliding_window`
+W, measured in tests/export/test_window_graph.py), the attention scale and Gemma 2's soft-capping of
+the scores (`softcap`); Gemma's norms after each sublayer are RMSNorms in plain ops, its scaled embeddings
+a Mul and its soft-capped logits Div, Tanh, Mul:
 
     inputs   input_ids              int64 [batch, seq]
              position_ids           int64 [batch, seq]
@@ -115,6 +120,13 @@ class GraphBuilder:
             inputs.append(bias)
         return self.node("LayerNormalization", inputs, [out], axis=-1, epsilon=eps)
 
+    def gelu(self, x: str, bias: str | None, exact: bool, out: str) -> str:
+        """GELU (the tanh approximation unless `exact`) of x + bias."""
+        if not exact:
+            return self.node("FastGelu", [x, bias] if bias else [x], [out], domain=MS_DOMAIN)
+        return self.node("BiasGelu", [x, bias], [out], domain=MS_DOMAIN) if bias else \
+            self.node("Gelu", [x], [out], domain=MS_DOMAIN)
+
     def head_norm(self, x: str, prefix: str, heads: int, d_head: int, eps: float, out: str) -> str:
         """RMSNorm over each head of x (B, S, heads·d_head) with the weights `prefix`.weight (d_head,): the query
         and key norms of `MultiHeadAttention`."""
@@ -125,23 +137,21 @@ class GraphBuilder:
                          [out])  # (B, S, heads·d_head)
 
     def feed_forward(self, h: str, prefix: str, config, i: int) -> str:
-        """GELU MLP or SwiGLU; returns the down projection's output, before its bias."""
-        if config.mlp == "swiglu":  # gate and up in one MatMul, then silu(gate) * up
+        """GELU MLP, SwiGLU or GeGLU; returns the down projection's output, before its bias."""
+        if config.mlp in ("swiglu", "geglu"):  # gate and up in one MatMul, then act(gate) * up
             w = np.concatenate([self.weights[f"{prefix}.fc_gate.weight"], self.weights[f"{prefix}.fc_in.weight"]]).T
             both = self.node("MatMul", [h, self.const(f"{prefix}.gate_up", w)], [f"ff_{i}_gu"])
             gate, up = f"ff_{i}_gate", f"ff_{i}_up"
             self.node("Split", [both, self.const(f"ff_{i}_split", np.array([config.ff_width] * 2, np.int64))],
                       [gate, up], axis=-1)
-            silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], [f"ff_{i}_sig"])], [f"ff_{i}_silu"])
-            f = self.node("Mul", [silu, up], [f"ff_{i}_act"])
+            if config.mlp == "swiglu":
+                act = self.node("Mul", [gate, self.node("Sigmoid", [gate], [f"ff_{i}_sig"])], [f"ff_{i}_silu"])
+            else:
+                act = self.gelu(gate, None, config.activation == "gelu", f"ff_{i}_gelu")
+            f = self.node("Mul", [act, up], [f"ff_{i}_act"])
         else:
             f = self.node("MatMul", [h, self.param(f"{prefix}.fc_in.weight", transpose=True)], [f"ff_{i}_mm"])
-            bias = self.param(f"{prefix}.fc_in.bias")
-            if config.activation == "gelu_tanh":
-                f = self.node("FastGelu", [f, bias] if bias else [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
-            else:
-                f = self.node("BiasGelu", [f, bias], [f"ff_{i}_act"], domain=MS_DOMAIN) if bias else \
-                    self.node("Gelu", [f], [f"ff_{i}_act"], domain=MS_DOMAIN)
+            f = self.gelu(f, self.param(f"{prefix}.fc_in.bias"), config.activation == "gelu", f"ff_{i}_act")
         return self.node("MatMul", [f, self.param(f"{prefix}.fc_out.weight", transpose=True)], [f"ff_out_{i}"])
 
 
@@ -165,15 +175,25 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
                          "(it needs a head width a multiple of 16 and rotary_dim / 2 a multiple of 8): "
                          "use rotary_in_attention=False")
     rms, eps, H, H_kv, D = c.norm == "rmsnorm", c.layer_norm_eps, c.n_head, c.kv_heads, c.d_head
+    if c.post_norms and (c.bias or c.qkv_bias):
+        raise ValueError("norms after the sublayers are built for models without biases (Gemma's)")
     weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}  # views of fp32 weights
     if c.pos_encoding == "sinusoidal":
         weights["pos_emb.weight"] = model.pos_table.float().cpu().numpy()
     b = GraphBuilder(weights, data)
     in_names, out_names = static_io_names(c.n_layer)
     x = b.node("Gather", [b.param("tok_emb.weight"), "input_ids"], ["tok_x"])  # (B, S, d)
-    if c.pos_encoding == "rotary":  # cos/sin of every position's angles, (n_ctx, rotary_dim/2): the PyTorch model's
-        cos, sin = rotary_cos_sin(torch.arange(c.n_ctx), c.rotary_dim, c.rope_theta, c.rope_scaling, c.n_ctx)
-        cos, sin = b.const("rope_cos", cos.numpy()), b.const("rope_sin", sin.numpy())
+    if c.scale_embeddings:  # sqrt(d_model) in float32, as the model multiplies
+        x = b.node("Mul", [x, b.const("emb_scale", np.array(math.sqrt(c.d_model), np.float32))], ["tok_x_scaled"])
+    tables: dict[bool, tuple[str, str]] = {}  # cos/sin of every position's angles, (n_ctx, rotary_dim/2), the
+    # PyTorch model's, by whether the layer takes the sliding-window layers' own rotary (Gemma 3)
+    if c.pos_encoding == "rotary":
+        kinds = {False: ("rope", c.rope_theta, c.rope_scaling)}
+        if c.rope_local_theta is not None:
+            kinds[True] = ("rope_local", c.rope_local_theta, c.rope_local_scaling)
+        for local, (name, theta, scaling) in kinds.items():
+            cos, sin = rotary_cos_sin(torch.arange(c.n_ctx), c.rotary_dim, theta, scaling, c.n_ctx)
+            tables[local] = b.const(f"{name}_cos", cos.numpy()), b.const(f"{name}_sin", sin.numpy())
     else:
         pos = b.node("Gather", [b.param("pos_emb.weight"), "position_ids"], ["pos_x"])
         x = b.node("Add", [x, pos], ["x_0"])
@@ -183,6 +203,8 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
         p = f"blocks.{i}"
         qkv = b.linear(h, f"{p}.attn.qkv_proj", f"qkv_{i}")  # (B, S, (H + 2 H_kv) D): q heads, k heads, v heads
         rotate_here = c.uses_rotary(i)
+        if rotate_here:
+            cos, sin = tables[c.rope_local_theta is not None and c.window(i) is not None]
         inside = rotate_here and rotary_in_attention
         if c.qk_norm or (rotate_here and not inside):
             q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
@@ -203,17 +225,27 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
                       [*qkv_inputs, in_names[4 + 2 * i], in_names[5 + 2 * i], "seqlens_k", "total_sequence_length",
                        *([cos, sin] if inside else [])],
                       [f"attn_{i}", out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
-                      num_heads=H, kv_num_heads=H_kv, scale=1.0 / math.sqrt(D), do_rotary=int(inside),
-                      rotary_interleaved=0)
+                      num_heads=H, kv_num_heads=H_kv, scale=c.scale, do_rotary=int(inside), rotary_interleaved=0,
+                      local_window_size=c.window(i) or -1, softcap=c.attn_softcap or 0.0)
         o = b.node("MatMul", [attn, b.param(f"{p}.attn.out_proj.weight", transpose=True)], [f"attn_out_{i}"])
+        out_bias, ffn_bias = f"{p}.attn.out_proj.bias", f"{p}.ffn.fc_out.bias"
+        if c.post_norms:  # the sublayer's output normalised before the residual add (the models have no biases)
+            o = b.norm(o, f"{p}.post_attn_norm", rms, eps, f"attn_post_{i}")
         # x += o + b_O; h = Norm_2(x), in one pass
-        h, x = b.skip_norm(o, x, f"{p}.attn.out_proj.bias", f"{p}.ln_2", rms, eps, f"h2_{i}", f"x_{i}_attn")
+        h, x = b.skip_norm(o, x, out_bias, f"{p}.ln_2", rms, eps, f"h2_{i}", f"x_{i}_attn")
         f = b.feed_forward(h, f"{p}.ffn", c, i)
+        if c.post_norms:
+            f = b.norm(f, f"{p}.post_ffn_norm", rms, eps, f"ffn_post_{i}")
         # x += f + b_2; h = the next norm (ln_1 of the next block, or ln_f), in one pass
         ln = f"blocks.{i + 1}.ln_1" if i + 1 < c.n_layer else "ln_f"
-        h, x = b.skip_norm(f, x, f"{p}.ffn.fc_out.bias", ln, rms, eps, f"h_{i + 1}", f"x_{i + 1}")
+        h, x = b.skip_norm(f, x, ffn_bias, ln, rms, eps, f"h_{i + 1}", f"x_{i + 1}")
     head = weights["tok_emb.weight"] if c.tie_embeddings else weights["lm_head.weight"]
-    b.node("MatMul", [h, b.const("lm_head.weight_t", head.T)], ["logits"])
+    logits = "logits_raw" if c.final_softcap else "logits"
+    b.node("MatMul", [h, b.const("lm_head.weight_t", head.T)], [logits])
+    if c.final_softcap:  # cap · tanh(logits / cap)
+        cap = b.const("final_softcap", np.array(c.final_softcap, np.float32))
+        b.node("Mul", [b.node("Tanh", [b.node("Div", [logits, cap], ["logits_div"])], ["logits_tanh"]), cap],
+               ["logits"])
 
     cache = ["batch", H_kv, "max_seq", D]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),

@@ -4,6 +4,10 @@ Mask convention (the same as `torch.nn.functional.scaled_dot_product_attention`)
 mask is True where a query may attend to a key. `key_padding_mask` follows
 `torch.nn.MultiheadAttention`: True marks a padded key that must be ignored.
 
+Two options change the scores: `scale` replaces 1/√d_k on Q·Kᵀ, and `softcap` bounds them smoothly,
+cap · tanh(scores / cap), before the mask (Gemma 2). A sliding window (`sliding_window_mask`) limits a
+query to the last `window` keys up to itself.
+
 A query row whose keys are all masked has no defined softmax; it returns zeros instead of
 NaN, so padded rows in a batch never poison anything downstream.
 """
@@ -20,14 +24,19 @@ from model.norm import RMSNorm
 
 
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
+    scale: float | None = None, softcap: float | None = None,
 ) -> Tensor:
-    """softmax(Q·Kᵀ / √d_k) · V, step by step.
+    """softmax(Q·Kᵀ / √d_k) · V, step by step (`scale` in place of 1/√d_k; scores soft-capped by `softcap`).
 
     q: (..., Tq, d_k), k: (..., Tk, d_k), v: (..., Tk, d_v); mask broadcastable to (..., Tq, Tk).
     """
-    d_k = q.size(-1)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)
+    if scale is None:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)
+    else:
+        scores = (q @ k.transpose(-2, -1)) * scale  # (..., Tq, Tk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
@@ -45,6 +54,16 @@ def causal_mask(t_query: int, t_key: int, device: torch.device | None = None) ->
     q_pos = torch.arange(t_query, device=device).unsqueeze(1) + offset
     k_pos = torch.arange(t_key, device=device).unsqueeze(0)
     return k_pos <= q_pos
+
+
+def sliding_window_mask(t_query: int, t_key: int, window: int, device: torch.device | None = None) -> Tensor:
+    """(Tq, Tk) boolean mask for queries that are the last Tq of Tk positions, each seeing itself and the
+    window - 1 keys before it: key j is visible to query i when i - window < j <= i (transformers'
+    sliding-window causal mask)."""
+    offset = t_key - t_query
+    q_pos = torch.arange(t_query, device=device).unsqueeze(1) + offset
+    k_pos = torch.arange(t_key, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
 class MultiHeadAttention(nn.Module):
@@ -70,7 +89,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True,
                  use_sdpa: bool = True, d_head: int | None = None, n_kv_head: int | None = None,
-                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None):
+                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
+                 scale: float | None = None, softcap: float | None = None):
         super().__init__()
         if d_head is None:
             if d_model % n_head != 0:
@@ -87,6 +107,8 @@ class MultiHeadAttention(nn.Module):
         self.d_kv = n_kv_head * d_head  # width of the concatenated key (or value) heads
         self.dropout = dropout
         self.use_sdpa = use_sdpa  # fused torch kernel; the explicit path is the reference
+        self.scale = scale  # factor on q·k; None = 1 / sqrt(d_head)
+        self.softcap = softcap  # scores soft-capped at ± softcap; torch's fused kernel has no such option
         self.qkv_proj = nn.Linear(d_model, self.d_inner + 2 * self.d_kv, bias=bias if qkv_bias is None else qkv_bias)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
         self.q_norm = self.k_norm = None
@@ -133,19 +155,21 @@ class MultiHeadAttention(nn.Module):
             group = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
-        if self.use_sdpa and is_causal and mask is None and q.size(-2) == k.size(-2):
+        fused = self.use_sdpa and self.softcap is None
+        if fused and is_causal and mask is None and q.size(-2) == k.size(-2):
             # The common training case: torch's fused causal kernel, no mask tensor at all.
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale)
         else:
             if is_causal:
                 causal = causal_mask(q.size(-2), k.size(-2), q.device)
                 mask = causal if mask is None else mask & causal
-            if self.use_sdpa:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            if fused:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.scale)
                 if mask is not None:
                     y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
             else:
-                y = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p)
+                y = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=dropout_p, scale=self.scale,
+                                                 softcap=self.softcap)
         B, H, T, D = y.shape
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, Tq, d_inner)
         return self.out_proj(y)

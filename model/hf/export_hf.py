@@ -1,6 +1,6 @@
 """Export an attnserve model directory as a Hugging Face directory (the inverse of `import_hf`):
 `GPT2LMHeadModel` for GPT-2-style models, `LlamaForCausalLM` (or `Qwen3ForCausalLM`, `SmolLM3ForCausalLM`,
-`Phi3ForCausalLM`) for Llama-style ones, and
+`Phi3ForCausalLM`), `MistralForCausalLM`, `Qwen2ForCausalLM` or `Gemma2ForCausalLM` for Llama-style ones, and
 `BartForConditionalGeneration` for an encoder-decoder BART can express (`bart.py`).
 
     attnserve export-hf <model dir> -o <hf dir>     # or: python -m model.hf.export_hf ...
@@ -10,10 +10,14 @@ The config chooses the architecture. Rotary positions, RMSNorm, SwiGLU and no bi
 that has what a Llama lacks: a Qwen3 for query/key norms, a SmolLM3 for blocks without rotary positions, a
 Phi-3 for partial rotary (its `qkv_proj` and `gate_up_proj` written fused, as Phi-3 stores them); a head
 width of its own is written as `head_dim` in any of them. (A Phi-3 rotating whole heads, or a SmolLM3 with
-every block rotary, is a Llama: the same model, written as one.) Learned positions,
-LayerNorm, a GELU MLP (tanh or exact), biases, one KV head per query head and a tied head make a
-GPT-2. A model neither can express (sinusoidal positions, Qwen2's query/key/value biases, a mix of
-the two families) is refused with the reason. A model without a BOS id gets its EOS id as BOS, as
+every block rotary, is a Llama: the same model, written as one.) The same with a sliding window on every layer
+make a Mistral, with query/key/value biases (and a sliding window on any layers) a Qwen2. Rotary positions,
+RMSNorm, GeGLU, norms after the sublayers and scaled embeddings make a Gemma 2 (its norm weights written as
+w - 1, its attention scale as query_pre_attn_scalar, its soft-caps and windows kept), with query/key norms a
+Gemma 3 (its rotary per layer kind as rope_parameters by layer type). Learned positions, LayerNorm, a GELU
+MLP (tanh or exact), biases, one KV head per query head and a tied head make a GPT-2. A model none can express
+(sinusoidal positions, a window on some layers with no biases, a mix of the families) is refused with the
+reason. A model without a BOS id gets its EOS id as BOS, as
 GPT-2 has (the tokenizer adds neither).
 
 The result loads offline with `transformers.AutoModelForCausalLM.from_pretrained(<hf dir>)` and
@@ -46,21 +50,63 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
+FAMILY_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+                "gpt2": "GPT-2"}
+
+
+def family_needs(config: GPTConfig) -> dict[str, dict[str, bool]]:
+    """For each architecture we write, what it needs of a model and whether this one has it."""
+    c = config
+    windows = [c.window(i) for i in range(c.n_layer)]
+    rotary = {"rotary positions": c.pos_encoding == "rotary", "RMSNorm": c.norm == "rmsnorm"}
+    plain = {"pre-norm blocks with unscaled embeddings and no soft-capping": not c.post_norms
+             and not c.scale_embeddings and c.attn_scale is None and c.attn_softcap is None and c.final_softcap is None,
+             "one rotary base for every layer": c.rope_local_theta is None}
+    swiglu = {**rotary, "a SwiGLU MLP": c.mlp == "swiglu", **plain}
+    # query/key norms, partial rotary and blocks without rotary positions are the Llama subclasses' alone
+    llama_only = {"no query/key norms, partial rotary or blocks without rotary positions": llama_family(c) == "llama"}
+    gemma = {**rotary, "a GeGLU MLP (tanh GELU)": c.mlp == "geglu" and c.activation == "gelu_tanh",
+             "norms after each sublayer": c.post_norms, "scaled embeddings": c.scale_embeddings,
+             "no biases": not c.bias and not c.qkv_bias,
+             "an attention scale of 1 / sqrt(an integer)": query_pre_attn_scalar(c) is not None}
+    return {
+        "llama": {**swiglu, "no biases": not c.bias and not c.qkv_bias, "no sliding window": not any(windows)},
+        "mistral": {**swiglu, **llama_only, "no biases": not c.bias and not c.qkv_bias,
+                    "a sliding window on every layer": all(windows)},
+        "qwen2": {**swiglu, **llama_only,
+                  "biases on the query/key/value projection alone": not c.bias and c.qkv_bias is True},
+        "gemma2": {**gemma, **llama_only, "one rotary base for every layer": c.rope_local_theta is None},
+        "gemma3": {**gemma, "query/key norms": c.qk_norm,
+                   "rotary on every dimension of every block": c.rotary_fraction == 1.0 and not c.no_rotary_layers},
+        "gpt2": {"learned positions": c.pos_encoding == "learned", "LayerNorm": c.norm == "layernorm",
+                 "a GELU MLP": c.mlp == "gelu", "biases in every linear layer and norm": c.bias
+                 and c.qkv_bias in (None, True), "one KV head per query head": c.kv_heads == c.n_head,
+                 "a head tied to the token embedding": c.tie_embeddings, "no sliding window": not any(windows),
+                 **plain},
+    }
+
+
 def architecture(config: GPTConfig) -> str:
-    """"llama" or "gpt2", whichever expresses the model; ValueError naming what neither has."""
-    llama_needs = {"rotary positions": config.pos_encoding == "rotary", "RMSNorm": config.norm == "rmsnorm",
-                   "a SwiGLU MLP": config.mlp == "swiglu", "no biases": not config.bias and not config.qkv_bias}
-    gpt2_needs = {"learned positions": config.pos_encoding == "learned", "LayerNorm": config.norm == "layernorm",
-                  "a GELU MLP": config.mlp == "gelu", "biases in every linear layer and norm": config.bias
-                  and config.qkv_bias in (None, True), "one KV head per query head": config.kv_heads == config.n_head,
-                  "a head tied to the token embedding": config.tie_embeddings}
-    if all(llama_needs.values()):
-        return "llama"
-    if all(gpt2_needs.values()):
-        return "gpt2"
-    family, needs = ("Llama", llama_needs) if config.pos_encoding == "rotary" else ("GPT-2", gpt2_needs)
-    missing = ", ".join(name for name, ok in needs.items() if not ok)
-    raise ValueError(f"this model is neither a GPT-2 nor a Llama: closest is {family}, which needs {missing}")
+    """"llama", "mistral", "qwen2", "gemma2", "gemma3" or "gpt2", the first that expresses the model; ValueError naming
+    what the closest one lacks."""
+    needs = family_needs(config)
+    for family, need in needs.items():
+        if all(need.values()):
+            return family
+    lacks = {family: [name for name, ok in need.items() if not ok] for family, need in needs.items()}
+    fewest = min(len(names) for names in lacks.values())
+    closest = [f"{FAMILY_NAMES[family]}, which needs {', '.join(names)}" for family, names in lacks.items()
+               if len(names) == fewest]
+    raise ValueError(f"this model is none of {', '.join(FAMILY_NAMES.values())}: closest is {closest[0]}"
+                     + "".join(f"; as close is {other}" for other in closest[1:]))
+
+
+def query_pre_attn_scalar(config: GPTConfig) -> int | None:
+    """Gemma 2's integer s of the attention scale s^-1/2; None when the scale is not of that form."""
+    if config.attn_scale is None:
+        return config.d_head
+    s = round(config.attn_scale ** -2)
+    return s if s > 0 and float(s) ** -0.5 == config.attn_scale else None
 
 
 def llama_family(config: GPTConfig) -> str:
@@ -77,7 +123,33 @@ def llama_family(config: GPTConfig) -> str:
 
 def hf_config(config: GPTConfig) -> dict:
     """config.json for the architecture `architecture(config)` picks."""
-    return llama_config(config) if architecture(config) == "llama" else gpt2_config(config)
+    family = architecture(config)
+    if family == "gpt2":
+        return gpt2_config(config)
+    cfg = llama_config(config)
+    layer_types = [("sliding_attention" if config.window(i) else "full_attention") for i in range(config.n_layer)]
+    if family == "mistral":
+        cfg |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "sliding_window": config.sliding_window}
+    elif family == "qwen2":
+        windowed = "sliding_attention" in layer_types
+        cfg |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": windowed,
+                "sliding_window": config.sliding_window if windowed else None, "layer_types": layer_types,
+                "max_window_layers": layer_types.index("sliding_attention") if windowed else config.n_layer}
+    elif family in ("gemma2", "gemma3"):
+        for key in ("mlp_bias", "pretraining_tp", "hidden_act", "use_sliding_window", "max_window_layers"):
+            cfg.pop(key, None)
+        cfg |= {"architectures": [f"{family.capitalize()}ForCausalLM"], "model_type": family,
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": query_pre_attn_scalar(config),
+                "sliding_window": config.sliding_window or config.n_ctx, "layer_types": layer_types,
+                "attn_logit_softcapping": config.attn_softcap, "final_logit_softcapping": config.final_softcap}
+    if family == "gemma3":  # a rotary per layer kind, by layer type as transformers 5 writes it, and the older keys
+        local_theta = config.rope_local_theta or config.rope_theta
+        local_scaling = config.rope_local_scaling if config.rope_local_theta is not None else config.rope_scaling
+        cfg |= {"model_type": "gemma3_text", "rope_local_base_freq": local_theta, "rope_parameters": {
+            "full_attention": {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
+            "sliding_attention": {"rope_type": "default", **(local_scaling or {}), "rope_theta": local_theta}}}
+    return cfg
 
 
 def bos_id(config: GPTConfig) -> int:
@@ -183,8 +255,9 @@ def gpt2_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
 
 def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our parameter names -> the Llama-family class's names: `qkv_proj` split into q, k and v (queries first,
-    then the KV heads' keys, then their values, as `llama.convert_state_dict` stacks them), or for Phi-3 kept
-    fused, with `fc_gate` and `fc_in` fused into `gate_up_proj` (gate rows first) as Phi-3 stores them."""
+    then the KV heads' keys, then their values, as `llama.convert_state_dict` stacks them; Qwen2's biases
+    likewise), or for Phi-3 kept fused, with `fc_gate` and `fc_in` fused into `gate_up_proj` (gate rows first)
+    as Phi-3 stores them; Gemma's norm weights back to its w of x̂·(1 + w)."""
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["ln_f.weight"]}
     q_width, kv_width = config.n_head * config.d_head, config.kv_heads * config.d_head
     fused = llama_family(config) == "phi3"
@@ -196,20 +269,25 @@ def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[
             out[pre + "mlp.gate_up_proj.weight"] = torch.cat([state[ours + "ffn.fc_gate.weight"],
                                                               state[ours + "ffn.fc_in.weight"]])
         else:
-            q, k, v = qkv.split([q_width, kv_width, kv_width])
-            out |= {pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
-                    pre + "self_attn.v_proj.weight": v}
+            for param in ("weight", "bias") if config.qkv_bias else ("weight",):
+                q, k, v = state[ours + f"attn.qkv_proj.{param}"].split([q_width, kv_width, kv_width])
+                out |= {pre + f"self_attn.q_proj.{param}": q, pre + f"self_attn.k_proj.{param}": k,
+                        pre + f"self_attn.v_proj.{param}": v}
             out |= {pre + hf_name: state[ours + name] for hf_name, name in llama.SEPARATE_MLP}
         for hf_name, name in llama.block_map(config):
             out[pre + hf_name] = state[ours + name]
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
+    if config.post_norms:
+        norms = {"model.norm.weight"} | {f"model.layers.{i}.{hf_name}" for i in range(config.n_layer)
+                                         for hf_name, ours in llama.block_map(config) if llama.is_norm(ours)}
+        out = {k: v - 1.0 if k in norms else v for k, v in out.items()}
     return out
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our state dict under the Hugging Face names of `architecture(config)`, fp32, contiguous."""
-    to_hf = llama_state_dict if architecture(config) == "llama" else gpt2_state_dict
+    to_hf = gpt2_state_dict if architecture(config) == "gpt2" else llama_state_dict
     return {k: v.detach().float().contiguous() for k, v in to_hf(state, config).items()}
 
 

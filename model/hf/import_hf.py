@@ -1,6 +1,6 @@
 """Import a local Hugging Face checkpoint into an attnserve model directory: GPT-2, the Llama family
 (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`, `Qwen3ForCausalLM`, `SmolLM3ForCausalLM`,
-`Phi3ForCausalLM`; see `llama.py`), and the
+`Phi3ForCausalLM`, `Gemma2ForCausalLM`; see `llama.py`), and the
 encoder-decoder `BartForConditionalGeneration` (see `bart.py`).
 
     attnserve import-hf <hf dir> -o <model dir>     # or: python -m model.hf.import_hf ...
@@ -187,7 +187,7 @@ def import_bart(src: Path, hf: dict, out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     return conversion_main(argv, "attnserve import-hf", __doc__.split("\n\n")[0],
                            "local Hugging Face checkpoint directory (GPT-2, Llama, Qwen2, Mistral, Qwen3, SmolLM3, "
-                           "Phi-3/4, BART)",
+                           "Phi-3/4, Gemma 2, BART)",
                            "attnserve model directory to write", import_hf, (ValueError, FileNotFoundError, KeyError))
 
 

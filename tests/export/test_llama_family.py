@@ -2,7 +2,9 @@
 (static-cache graph with grouped-query attention and rotary positions, and the standard graph), verified
 against PyTorch, and served by the engine: greedy tokens alone and batched equal transformers'. The newer
 families (Qwen3's head width and query/key norms, SmolLM3's blocks without rotary positions, Phi-3/4's
-partial rotary and fused projections) go the same way, and pass the start-up batch-invariance probe."""
+partial rotary and fused projections) go the same way, and pass the start-up batch-invariance probe. The
+windowed families (Mistral, Qwen2 on some layers, Gemma 2 on every other one, Gemma 3 on two of three with a
+rotary base of their own) have windows of 8 positions, which the prompts and their continuations cross."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from tests.conftest import make_lively  # noqa: E402
 from tests.engine.harness import drive, greedy, random_prompt  # noqa: E402
 from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
 
-FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "smollm3", "phi3"]
+FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "smollm3", "phi3", "mistral-window", "qwen2-window",
+            "gemma2", "gemma3"]
+WINDOWED = {"mistral-window", "qwen2-window", "gemma2", "gemma3"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -49,9 +53,11 @@ def test_the_graphs_match_pytorch_and_the_cache_holds_only_kv_heads(family_bundl
     assert (m.architecture, m.n_head, m.kv_heads) == ("llama", 4, hf.config.num_key_value_heads)
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64))
     assert engine.kv.shape.n_head == hf.config.num_key_value_heads  # not the 4 query heads
-    assert m.d_head == (32 if family == "qwen3" else 16)  # Qwen3's own head width, not 64 / 4
-    assert engine.kv.shape.bytes_per_slot == 2 * 2 * m.kv_heads * 128 * m.d_head * 4  # K,V x layers x heads x ctx x D
-    assert [b.shape for b in engine.kv.buffers] == [(4, m.kv_heads, 128, m.d_head)] * 4
+    assert m.d_head == (32 if family in ("qwen3", "gemma3") else 16)  # a head width of its own, not 64 / 4
+    layers = hf.config.num_hidden_layers
+    # K,V x layers x heads x ctx x d_head x 4 bytes: a windowed layer keeps the whole context too
+    assert engine.kv.shape.bytes_per_slot == 2 * layers * m.kv_heads * 128 * m.d_head * 4
+    assert [b.shape for b in engine.kv.buffers] == [(4, m.kv_heads, 128, m.d_head)] * 2 * layers
 
 
 def test_served_greedy_tokens_alone_and_batched_equal_transformers(family_bundle):
@@ -100,6 +106,41 @@ def test_every_head_option_at_once_in_both_rotary_placements(tiny_tokenizer, tmp
                         pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=48, tie_embeddings=False)
     save_model_dir(model, tiny_tokenizer, tmp_path / "model")
     export_bundle(tmp_path / "model", tmp_path / "bundle", name="heads")
+    export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
+    assert verify_static(model, tmp_path / "bundle", "static").passed
+    assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed
+    assert check(StaticRunner(tmp_path / "bundle", "static", provider="cpu")).invariance.identical
+
+
+def test_chunked_prefills_beside_decodes_across_the_window_equal_transformers(family_bundle):
+    """Twelve requests over a step budget of 48 tokens: prompts on both sides of the window of 8, prefilled in
+    chunks that start past it, beside rows decoding across it."""
+    family, hf, _, bundle = family_bundle
+    if family not in WINDOWED:
+        pytest.skip("no sliding window")
+    rng = np.random.default_rng(8)
+    lengths = (1, 3, 7, 8, 9, 12, 16, 23, 30, 41, 5, 60)
+    requests = [greedy(f"r{i}", random_prompt(rng, n), 16, ignore_eos=True) for i, n in enumerate(lengths)]
+    run = drive(Engine(EngineConfig(bundle=bundle, graph="static", max_running=12, max_batch_tokens=48)), requests)
+    for r in requests:
+        assert run.tokens(r.request_id) == greedy_hf(hf, r.prompt_token_ids, 16), (family, r.request_id)
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["rotary-in-attention", "rotary-ops"])
+def test_every_gemma_option_at_once_in_both_rotary_placements(tiny_tokenizer, tmp_path, inside):
+    """Windows of 5 on two layers of three with their own rotary base, norms after each sublayer, GeGLU, scaled
+    embeddings, an attention scale of its own, soft-capped scores and logits, query/key norms and a head width
+    of its own: the static graph, rotating inside GroupQueryAttention or in RotaryEmbedding ops, and the
+    standard graph equal PyTorch."""
+    model = make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, n_layer=3, n_head=2, n_kv_head=1,
+                        d_model=32, head_dim=32, qk_norm=True, pos_encoding="rotary", norm="rmsnorm", mlp="geglu",
+                        bias=False, d_ff=48, tie_embeddings=True, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                        rope_local_theta=10_000.0, post_norms=True, scale_embeddings=True, attn_scale=24 ** -0.5,
+                        attn_softcap=2.0, final_softcap=10.0)
+    save_model_dir(model, tiny_tokenizer, tmp_path / "model")
+    export_bundle(tmp_path / "model", tmp_path / "bundle", name="gemma")
     export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
     assert verify_static(model, tmp_path / "bundle", "static").passed
     assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed

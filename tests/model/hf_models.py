@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face Llama-family checkpoints, built and saved in the test (nothing from a hub),
+"""Random-weight Hugging Face Llama-family (and Gemma 2) checkpoints, built and saved in the test (nothing from a hub),
 and transformers' own greedy continuation of a prompt, for parity tests."""
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                          "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.1 * i for i in range(6)],
                          "long_factor": [1.0 + 2.0 * i for i in range(6)]})),
+    # windows of 8 positions, so that prompts and their continuations cross them; 3 layers for both kinds
+    "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8)),
+    "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=8.0, final_logit_softcapping=12.0)),
+    # a head width of its own, query/key norms, a window on all but every 3rd layer, each kind its own rotary base
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 
 
@@ -50,9 +62,11 @@ def save_random(path, tokenizer, family: str, shard: bool = False, **overrides):
     torch.manual_seed(0)
     hf = model_cls(config_cls(**fields)).eval()
     with torch.no_grad():  # random init is near-uniform; wider weights make every logit matter
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif family.startswith("gemma") and name.endswith("norm.weight"):  # Gemma computes x̂·(1 + w)
+                p.normal_(0.0, 0.2)
             elif p.numel() == getattr(hf.config, "head_dim", -1):  # query/key norms: not all ones
                 p.normal_(1.0, 0.2)
     hf.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")

@@ -1,5 +1,5 @@
-"""Export to a Hugging Face directory (GPT-2 or Llama): transformers loads it offline and computes our logits,
-and import-hf gives back the same weights."""
+"""Export to a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, Gemma 2 or 3): transformers loads it offline
+and computes our logits, and import-hf gives back the same weights."""
 
 from __future__ import annotations
 
@@ -110,17 +110,53 @@ def test_the_shipped_model_exports_as_llama_with_its_logits(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(pos_encoding="learned"), "closest is GPT-2, which needs LayerNorm, a GELU MLP"),
-    (dict(qkv_bias=True), "closest is Llama, which needs no biases"),
+    (dict(pos_encoding="learned"), "closest is Llama, which needs rotary positions"),
+    (dict(bias=True), "closest is Llama, which needs no biases"),
     (dict(norm="layernorm", bias=True), "closest is Llama, which needs RMSNorm, no biases"),
+    (dict(n_layer=2, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+     "as close is Qwen2, which needs biases on the query/key/value projection alone"),
+    (dict(attn_softcap=30.0), "closest is Llama, which needs pre-norm blocks with unscaled embeddings and no soft"),
+    (dict(mlp="geglu", post_norms=True, scale_embeddings=True, attn_scale=0.3),
+     "closest is Gemma 2, which needs an attention scale of 1 / sqrt(an integer)"),
 ])
-def test_a_model_neither_family_expresses_is_refused(tiny_tokenizer, tmp_path, capsys, overrides, message):
+def test_a_model_no_family_expresses_is_refused(tiny_tokenizer, tmp_path, capsys, overrides, message):
     model = make_model(vocab_size=tiny_tokenizer.vocab_size, **{**LLAMA_STYLE, **overrides})
-    with pytest.raises(ValueError, match="neither a GPT-2 nor a Llama"):
+    with pytest.raises(ValueError, match="none of Llama, Mistral, Qwen2, Gemma 2, Gemma 3, GPT-2"):
         architecture(model.config)
     save_model_dir(model, tiny_tokenizer, tmp_path / "odd")
     assert main([str(tmp_path / "odd"), "-o", str(tmp_path / "hf")]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- imported windowed and Gemma 2 checkpoints -> their own architecture ------------------------------------
+
+@pytest.mark.parametrize("family,architecture_name", [
+    ("mistral-window", "MistralForCausalLM"), ("qwen2-window", "Qwen2ForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+def test_an_imported_checkpoint_exports_as_its_family_with_the_same_logits(tiny_tokenizer, tmp_path, family,
+                                                                           architecture_name):
+    original = save_random(tmp_path / "hf", tiny_tokenizer, family)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    out = export_hf(tmp_path / "ours", tmp_path / "again")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [architecture_name]
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again).__name__ == architecture_name
+    gemma = ("head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    for key in ("sliding_window", "layer_types", "rope_parameters") + (gemma if family.startswith("gemma") else ()):
+        assert getattr(again.config, key, None) == getattr(original.config, key, None), key
+    ids = torch.randint(0, tiny_tokenizer.vocab_size, (2, 40))  # past the windows of 8
+    with torch.no_grad():
+        assert (again(ids).logits - original(ids).logits).abs().max().item() <= 1e-5
+
+    import_hf(out, tmp_path / "back")
+    a, _ = load_model_dir(tmp_path / "ours")
+    b, _ = load_model_dir(tmp_path / "back")
+    assert b.config == a.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:  # Gemma's norm weights go through w + 1 - 1 in float32
+        torch.testing.assert_close(sb[k], sa[k], atol=1e-7 if family.startswith("gemma") else 0, rtol=0)
 
 
 # ---- Qwen3, SmolLM3, Phi-3 -> their own classes ---------------------------------------------------------

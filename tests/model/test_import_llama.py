@@ -1,5 +1,6 @@
-"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM built with
-transformers, saved locally, imported, and compared logit for logit and token for token."""
+"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM /
+Gemma2ForCausalLM / Gemma3ForCausalLM (with and without sliding windows) built with transformers, saved locally, imported, and
+compared logit for logit and token for token."""
 
 from __future__ import annotations
 
@@ -25,13 +26,28 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     ours, tok = load_model_dir(tmp_path / "ours")
     c = ours.config
     assert (c.n_layer, c.n_head, c.kv_heads, c.d_model, c.ff_width, c.n_ctx) == (
-        2, 4, hf.config.num_key_value_heads, 64, 96, 128)
-    assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "swiglu", family.startswith("qwen2"))
+        hf.config.num_hidden_layers, 4, hf.config.num_key_value_heads, 64, 96, 128)
+    gemma = family.startswith("gemma")
+    assert (c.pos_encoding, c.norm, c.mlp, c.qkv_bias) == ("rotary", "rmsnorm", "geglu" if gemma else "swiglu",
+                                                           family.startswith("qwen2"))
+    window = getattr(hf.config, "sliding_window", None)
+    hf_layers = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * c.n_layer  # Mistral: every layer
+    want_windows = [window if window and kind == "sliding_attention" else None for kind in hf_layers]
+    assert [c.window(i) for i in range(c.n_layer)] == want_windows
+    assert (c.post_norms, c.scale_embeddings, c.attn_softcap, c.final_softcap) == {
+        "gemma2": (True, True, 8.0, 12.0), "gemma3": (True, True, None, None)}.get(family, (False, False, None, None))
     assert (c.d_head, c.qk_norm, c.rotary_dim, c.no_rotary_layers) == {
-        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None)}.get(
-        family, (16, False, 16, None))
+        "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None),
+        "gemma3": (32, True, 32, None)}.get(family, (16, False, 16, None))
+    if family == "gemma3":  # global layers: rope_theta, linearly scaled; sliding layers: their own base, unscaled
+        assert (c.rope_theta, c.rope_scaling["factor"], c.rope_local_theta, c.rope_local_scaling) == (
+            1_000_000.0, 2.0, 10_000.0, None)
+        assert [c.rope_of(i)[0] for i in range(3)] == [10_000.0, 10_000.0, 1_000_000.0]
 
-    ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace")])
+    # 40 tokens: past the sliding windows of 8
+    ids = torch.tensor([tok.encode("Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to "
+                                   "day, to the last syllable of recorded time")])
+    assert ids.shape[1] > 16
     with torch.no_grad():
         expected = hf(ids).logits
         got = ours(ids)
@@ -53,9 +69,6 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
 
 
 @pytest.mark.parametrize("family,change,message", [
-    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                                   "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}),
-     "rope_scaling type 'longrope' is not supported"),
     ("phi3", dict(sliding_window=64), "sliding_window 64 is shorter than the context"),
     ("qwen3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
     ("smollm3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
@@ -63,6 +76,11 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
     ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("phi3", dict(partial_rotary_factor=0.5625, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
      "even rotated width, got 9"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope_scaling type 'yarn' is not supported"),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention is not supported"),
+    ("gemma2", dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
 ])
 def test_an_option_of_the_newer_families_the_decoder_lacks_is_refused(tiny_tokenizer, tmp_path, capsys, family,
                                                                       change, message):
@@ -78,8 +96,10 @@ def test_an_option_of_the_newer_families_the_decoder_lacks_is_refused(tiny_token
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["GPTNeoXForCausalLM"]), "architecture GPTNeoXForCausalLM is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(sliding_window=32, architectures=["MistralForCausalLM"], model_type="mistral"),
-     "sliding_window 32 is shorter than the context"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_activation="gelu"),
+     "hidden_activation 'gelu' is not supported"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", use_bidirectional_attention=True),
+     "use_bidirectional_attention is not supported"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
      "rope_scaling type 'dynamic' is not supported: dynamic NTK recomputes every position's frequencies"),
     (dict(attention_bias=True), "attention_bias"),

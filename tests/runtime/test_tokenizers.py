@@ -1,7 +1,7 @@
 """The server's tokenization and streamed text equal transformers', for the kinds of tokenizer the
 Llama family uses: SentencePiece-style BPE with byte fallback (Llama 2, TinyLlama, Phi-3: `▁` word prefixes,
-`<0xE2>` byte pieces) and byte-level BPE (Llama 3, SmolLM2, SmolLM3), each adding a BOS token, and
-transformers' own `Qwen2Tokenizer` (Qwen2, Qwen3: NFC, Qwen's split pattern, byte-level, no BOS)."""
+`<0xE2>` byte pieces; Gemma's variant: spaces as `▁` with no prefix added or stripped) and byte-level BPE
+(Llama 3, SmolLM2, SmolLM3), each adding a BOS token, and transformers' own `Qwen2Tokenizer` (Qwen2, Qwen3: NFC, Qwen's split pattern, byte-level, no BOS)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ CORPUS = ["Hello world, this is a test of the tokenizer.", "To be, or not to be:
 TEXTS = ["Hello world", "naïve café, 東京 😀!", "  leading spaces and\ttabs\nnewlines", "x", "<s> literal"]
 
 
-def sentencepiece_style(tmp_path: Path) -> HFTokenizer:
+def sentencepiece_style(tmp_path: Path, gemma: bool = False) -> HFTokenizer:
     """BPE over `▁`-prefixed words whose vocabulary also holds the 256 byte pieces `<0x00>`...`<0xFF>` as
-    ordinary tokens (not special ones), for the characters its merges do not cover: Llama 2's layout."""
+    ordinary tokens (not special ones), for the characters its merges do not cover: Llama 2's layout. With
+    `gemma`, Gemma's: spaces become `▁` but no `▁` is prepended nor stripped, `<pad> <eos> <bos> <unk>` first."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if gemma else ["<unk>", "<s>", "</s>"]
+    bos = specials[2] if gemma else "<s>"
     trained = HFTokenizer(models.BPE(unk_token="<unk>"))
-    trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"],
+    trained.normalizer = normalizers.Replace(" ", "▁") if gemma else \
+        normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=150, special_tokens=specials,
                                                             show_progress=False))
     vocab_file, merges_file = trained.model.save(str(tmp_path))
     vocab = json.loads(Path(vocab_file).read_text())
@@ -36,10 +40,10 @@ def sentencepiece_style(tmp_path: Path) -> HFTokenizer:
     merges = [tuple(line.split()) for line in Path(merges_file).read_text().splitlines()[1:] if line.strip()]
     tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
     tok.normalizer = trained.normalizer
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    strip = [] if gemma else [decoders.Strip(" ", 1, 0)]
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
     return tok
 
 
@@ -66,6 +70,7 @@ def qwen_class(tmp_path: Path):
 
 
 KINDS = {"sentencepiece-byte-fallback": (sentencepiece_style, "<s>", "</s>"),
+         "gemma": (lambda path: sentencepiece_style(path, gemma=True), "<bos>", "<eos>"),
          "byte-level": (byte_level, "<|begin_of_text|>", "<|end_of_text|>"),
          "qwen2-tokenizer": (qwen_class, None, "<|endoftext|>")}
 
