@@ -85,8 +85,10 @@ def gemma3_rope(hf: dict) -> dict:
     layers, default 1e4, unscaled)."""
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
-        theta, scaling = rope_settings({"rope_parameters": params.get("full_attention")}, 1_000_000.0)
-        local_theta, local_scaling = rope_settings({"rope_parameters": params.get("sliding_attention")}, 10_000.0)
+        context = {k: hf[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in hf}
+        theta, scaling = rope_settings({**context, "rope_parameters": params.get("full_attention")}, 1_000_000.0)
+        local_theta, local_scaling = rope_settings({**context, "rope_parameters": params.get("sliding_attention")},
+                                                   10_000.0)
     else:
         theta, scaling = rope_settings(hf, 1_000_000.0)
         local_theta, local_scaling = float(hf.get("rope_local_base_freq", 10_000.0)), None
