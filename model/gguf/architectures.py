@@ -1,0 +1,126 @@
+"""GGUF architectures -> Hugging Face ones: the config.json a GGUF file's `<arch>.*` metadata describes,
+and the Hugging Face name of each of its tensors, one table per architecture.
+
+    token_embd                  model.embed_tokens
+    blk.i.attn_norm             model.layers.i.input_layernorm
+    blk.i.attn_{q,k,v}          model.layers.i.self_attn.{q,k,v}_proj    (weight; qwen2 also bias)
+    blk.i.attn_output           model.layers.i.self_attn.o_proj
+    blk.i.ffn_norm              model.layers.i.post_attention_layernorm
+    blk.i.ffn_{gate,up,down}    model.layers.i.mlp.{gate,up,down}_proj
+    output_norm                 model.norm
+    output                      lm_head                                  (absent when tied)
+
+llama.cpp's converter interleaves the rows of each head of the query and key projections for the
+`llama` architecture (convert_hf_to_gguf.py, `LlamaModel.permute`: llama.cpp's rotary pairs adjacent
+dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back. Other
+architectures are stored as Hugging Face has them.
+
+An architecture not listed here, or a tensor an architecture's table does not name, is refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_output.weight": "self_attn.o_proj.weight",
+               "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+               "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+               **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}}
+BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_architecture: str  # config.json's `architectures[0]`, as import_hf reads it
+    model_type: str  # config.json's `model_type`
+    permuted_qk: bool  # the converter interleaved the query/key rows of each head (LlamaModel.permute)
+    block_names: dict[str, str]  # GGUF name under blk.i -> HF name under model.layers.i
+
+
+ARCHITECTURES = {
+    "llama": Architecture("LlamaForCausalLM", "llama", True, BLOCK_NAMES),
+    "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", False, BLOCK_NAMES),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", False, {
+        **BLOCK_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}),
+}
+
+
+class UnsupportedGGUF(ValueError):
+    """An architecture, tensor or option of a GGUF file this importer does not convert; the message names it."""
+
+
+def architecture(meta: dict[str, Any]) -> tuple[str, Architecture]:
+    name = meta.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise UnsupportedGGUF(f"architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return name, ARCHITECTURES[name]
+
+
+def hf_name(arch: str, name: str) -> str:
+    """The Hugging Face name of the GGUF tensor `name` of architecture `arch`."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    block = BLOCK.fullmatch(name)
+    if block and block.group(2) in ARCHITECTURES[arch].block_names:
+        return f"model.layers.{block.group(1)}.{ARCHITECTURES[arch].block_names[block.group(2)]}"
+    if name == "rope_freqs.weight":
+        raise UnsupportedGGUF("tensor rope_freqs.weight (per-frequency rotary factors, as Llama 3.1's rope scaling "
+                              "is stored) is not supported")
+    raise UnsupportedGGUF(f"tensor {name!r} has no Hugging Face name in the {arch} architecture")
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of the converter's `LlamaModel.permute(w, n_head, n_head)`: within each head, rows
+    (pair j, half h) at 2j + h go back to h * head_dim/2 + j."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor(arch: str, name: str, w: np.ndarray, hf: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """(HF name, HF tensor) of the GGUF tensor `name` (float32, in numpy's row-major shape)."""
+    out = hf_name(arch, name)
+    if ARCHITECTURES[arch].permuted_qk:
+        if out.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute(w, hf["num_attention_heads"])
+        elif out.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute(w, hf["num_key_value_heads"])
+    return out, np.ascontiguousarray(w)
+
+
+def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """config.json from the `<arch>.*` metadata; `tensor_shapes` (numpy order) gives the vocabulary and tying."""
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise UnsupportedGGUF(f"the file has no {arch}.{name}")
+        return value
+
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    head_dim = key("attention.key_length", hidden // heads)
+    rotary = key("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise UnsupportedGGUF(f"{arch}.rope.dimension_count {rotary} is not the head size {head_dim} (partial rotary "
+                              "positions are not supported)")
+    hf = {
+        "architectures": [ARCHITECTURES[arch].hf_architecture], "model_type": ARCHITECTURES[arch].model_type,
+        "vocab_size": tensor_shapes["token_embd.weight"][0], "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim, "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": key("rope.freq_base", 10000.0),
+        "hidden_act": "silu", "tie_word_embeddings": "output.weight" not in tensor_shapes,
+    }
+    if key("attention.value_length", hf["head_dim"]) != hf["head_dim"]:
+        raise UnsupportedGGUF(f"{arch}.attention.value_length differs from its key_length")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor")}
+    for name in ("bos", "eos"):
+        if (i := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
+            hf[f"{name}_token_id"] = i
+    return hf
