@@ -47,7 +47,8 @@ ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM", "llama", True, BLOCK_NAMES),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", False, BLOCK_NAMES),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", False, {
-        **BLOCK_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}),
+        **BLOCK_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight"}),
 }
 
 
