@@ -1,0 +1,96 @@
+"""GGUF files written in the test with `gguf.GGUFWriter`, as llama.cpp's converter writes them: a Hugging Face
+checkpoint's tensors under the names gguf's own `TensorNameMap` gives them (the `llama` architecture's query
+and key rows permuted as convert_hf_to_gguf.py's `LlamaModel.permute` does), and tokenizer metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from service.runtime.tokenizer import Tokenizer
+
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `LlamaModel.permute(w, n_head, n_head)`, as it reads there."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_level_fields(tokenizer: Tokenizer, pre: str = "gpt-2", user_defined: tuple[str, ...] = ()) -> dict:
+    """tokenizer.ggml.* of a byte-level BPE tokenizer (ours): its tokens, merges and token types."""
+    spec = json.loads(tokenizer.hf.to_str())
+    tokens = [tokenizer.hf.id_to_token(i) for i in range(tokenizer.vocab_size)]
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    types = [CONTROL if i in special else NORMAL for i in range(len(tokens))]
+    for text in user_defined:
+        tokens.append(text)
+        types.append(USER_DEFINED)
+    return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "token_type": types,
+            "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def add_tokenizer(w: gguf.GGUFWriter, fields: dict) -> None:
+    for key, value in fields.items():
+        if key == "chat_template":
+            w.add_chat_template(value)
+        elif isinstance(value, list):
+            w.add_array(f"tokenizer.ggml.{key}", value)
+        elif isinstance(value, bool):
+            w.add_bool(f"tokenizer.ggml.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"tokenizer.ggml.{key}", value)
+        else:
+            w.add_string(f"tokenizer.ggml.{key}", value)
+
+
+def add_hparams(w: gguf.GGUFWriter, config: dict) -> None:
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+
+
+def write_gguf(path: Path, arch: str, tokenizer_fields: dict, config: dict | None = None,
+               tensors: dict[str, np.ndarray] | None = None,
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    """A GGUF file of `arch`: hyperparameters from a config.json (tiny ones when None), `tensors` under their
+    Hugging Face names (none: a vocabulary-only file), matrices quantized to `qtype`."""
+    config = config or dict(num_hidden_layers=1, max_position_embeddings=64, hidden_size=8, intermediate_size=16,
+                            num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_hparams(w, config)
+    add_tokenizer(w, tokenizer_fields)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    for name, t in (tensors or {}).items():
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = permute(t, config["num_attention_heads"])
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = permute(t, config["num_key_value_heads"])
+        ours = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if ours is None:  # a tensor of the test's own making: its name is kept
+            ours = name
+        if qtype != gguf.GGMLQuantizationType.F32 and t.ndim == 2:
+            w.add_tensor(ours, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(ours, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def checkpoint_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    return load_file(str(hf_dir / "model.safetensors"))
