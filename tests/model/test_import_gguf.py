@@ -23,7 +23,6 @@ from tests.model.gguf_files import (  # noqa: E402
     BYTE,
     CONTROL,
     NORMAL,
-    USER_DEFINED,
     byte_level_fields,
     checkpoint_tensors,
     permute,
