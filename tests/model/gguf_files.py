@@ -21,24 +21,45 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def byte_level_fields(tokenizer: Tokenizer, pre: str = "gpt-2", user_defined: tuple[str, ...] = ()) -> dict:
-    """tokenizer.ggml.* of a byte-level BPE tokenizer (ours): its tokens, merges and token types."""
+def byte_level_fields(tokenizer: Tokenizer, pre: str = "gpt-2", control: tuple[str, ...] = (),
+                      user_defined: tuple[str, ...] = ()) -> dict:
+    """tokenizer.ggml.* of a byte-level BPE tokenizer (ours): its tokens, merges and token types, and the
+    `control` and `user_defined` tokens appended."""
     spec = json.loads(tokenizer.hf.to_str())
     tokens = [tokenizer.hf.id_to_token(i) for i in range(tokenizer.vocab_size)]
     special = {t["id"] for t in spec["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     types = [CONTROL if i in special else NORMAL for i in range(len(tokens))]
-    for text in user_defined:
+    for text, kind in [(t, CONTROL) for t in control] + [(t, USER_DEFINED) for t in user_defined]:
         tokens.append(text)
-        types.append(USER_DEFINED)
+        types.append(kind)
     return {"model": "gpt2", "pre": pre, "tokens": tokens, "merges": merges, "token_type": types,
             "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def sentencepiece_fields(texts: list[str], vocab_size: int = 400) -> dict:
+    """tokenizer.ggml.* of a SentencePiece-style vocabulary: <unk>, <s>, </s>, the 256 byte pieces, then the
+    pieces of a BPE trained here on `texts` ("▁" for spaces), each scored by how early it was learnt."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    hf.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False))
+    pieces = [hf.id_to_token(i) for i in range(hf.get_vocab_size())]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return {"model": "llama", "tokens": tokens, "scores": scores, "token_type": types, "bos_token_id": 1,
+            "eos_token_id": 2, "unknown_token_id": 0}
 
 
 def add_tokenizer(w: gguf.GGUFWriter, fields: dict) -> None:
     for key, value in fields.items():
         if key == "chat_template":
             w.add_chat_template(value)
+        elif key == "scores":
+            w.add_token_scores(value)
         elif isinstance(value, list):
             w.add_array(f"tokenizer.ggml.{key}", value)
         elif isinstance(value, bool):
