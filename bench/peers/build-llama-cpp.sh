@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server, llama-batched-bench and llama-quantize for `attnserve bench compare`
-# (bench/peers/llama_cpp.py), and llama-tokenize for the GGUF import's tests (tests/model/test_gguf_llama_cpp.py),
+# (bench/peers/llama_cpp.py), and llama-tokenize for the GGUF import's tests (tests/bench/test_gguf_llama_cpp.py),
 # built as a user builds them for this CPU: cmake with GGML_NATIVE=ON, from the llama.cpp source that the
 # llama-cpp-python sdist vendors (PyPI is the one registry these machines reach).
 # No source is patched.
