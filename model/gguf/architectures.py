@@ -33,6 +33,8 @@ BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_output.weight
                "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
                **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}}
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, as the factors each frequency is divided by: a config field
+LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high_freq_factor, taken where the factors leave them open
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,6 @@ def hf_name(arch: str, name: str) -> str:
     block = BLOCK.fullmatch(name)
     if block and block.group(2) in ARCHITECTURES[arch].block_names:
         return f"model.layers.{block.group(1)}.{ARCHITECTURES[arch].block_names[block.group(2)]}"
-    if name == "rope_freqs.weight":
-        raise UnsupportedGGUF("tensor rope_freqs.weight (per-frequency rotary factors, as Llama 3.1's rope scaling "
-                              "is stored) is not supported")
     raise UnsupportedGGUF(f"tensor {name!r} has no Hugging Face name in the {arch} architecture")
 
 
@@ -93,8 +92,10 @@ def hf_tensor(arch: str, name: str, w: np.ndarray, hf: dict[str, Any]) -> tuple[
     return out, np.ascontiguousarray(w)
 
 
-def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """config.json from the `<arch>.*` metadata; `tensor_shapes` (numpy order) gives the vocabulary and tying."""
+def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json from the `<arch>.*` metadata; `tensor_shapes` (numpy order) gives the vocabulary and tying,
+    `rope_freqs` (the file's rope_freqs.weight, if any) the llama3 rope scaling."""
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
@@ -121,7 +122,55 @@ def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[in
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor")}
+    elif rope_freqs is not None:
+        hf["rope_scaling"] = llama3_scaling(rope_freqs, hf["rope_theta"], head_dim)
     for name in ("bos", "eos"):
         if (i := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             hf[f"{name}_token_id"] = i
     return hf
+
+
+def llama3_factors(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:
+    """The rope_freqs convert_hf_to_gguf.py writes for a llama3 rope scaling (`generate_extra_tensors`)."""
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, blended))
+
+
+def llama3_scaling(rope_freqs: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """The llama3 rope scaling whose factors are `rope_freqs`. The factors fix only the ratios of its three
+    lengths (original context, and that over each freq factor), so low_freq_factor is taken as Llama 3.1's;
+    with fewer than two frequencies in the blend, high_freq_factor too. Refused when none reproduces them."""
+    factors = np.asarray(rope_freqs, dtype=np.float64)
+    factor = float(factors.max())
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    blend = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    low = high = LLAMA3_LOW
+    if factors.shape != wavelen.shape or factor <= 1:
+        raise UnsupportedGGUF(f"{ROPE_FREQS} holds {factors.size} factors up to {factor:g}, not a llama3 rope "
+                              f"scaling of {dim // 2} frequencies")
+    if blend.sum() >= 2:  # smooth = old_ctx / (high - low) / wavelen - low / (high - low), a line in 1 / wavelen
+        smooth = (1 / factors[blend] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[blend], smooth, 1)
+        high = low - low / intercept
+        old_ctx = slope * (high - low)
+    elif blend.sum() == 1:
+        high = LLAMA3_HIGH
+        smooth = (1 / factors[blend][0] - 1 / factor) / (1 - 1 / factor)
+        old_ctx = (smooth * (high - low) + low) * wavelen[blend][0]
+    else:  # any old_ctx with every unscaled wavelength below old_ctx / high and every scaled one above old_ctx
+        high = LLAMA3_HIGH
+        unscaled, scaled = wavelen[factors <= 1 + 1e-6], wavelen[factors > 1 + 1e-6]
+        lowest = unscaled.max() * high if unscaled.size else 0.0
+        old_ctx = (lowest + scaled.min()) / 2 if scaled.size else lowest * 2
+    old_ctx, high = float(old_ctx), float(high)  # the fit's round numbers, where it is that close to them
+    old_ctx = round(old_ctx) if abs(old_ctx - round(old_ctx)) < 1e-4 * old_ctx else old_ctx
+    high = round(high, 3) if abs(high - round(high, 3)) < 1e-6 * high else high
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+               "original_max_position_embeddings": old_ctx}
+    if not np.allclose(llama3_factors(scaling, theta, dim), factors, rtol=1e-5):
+        raise UnsupportedGGUF(f"{ROPE_FREQS}: no llama3 rope scaling gives these factors")
+    return scaling

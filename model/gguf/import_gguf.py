@@ -59,8 +59,10 @@ def write_hf_dir(reader: GGUFReader, out: Path) -> str:
     meta = metadata(reader)
     arch, _ = architectures.architecture(meta)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    config = architectures.hf_config(arch, meta, shapes)
-    tensors = dict(architectures.hf_tensor(arch, t.name, float32_tensor(t), config) for t in reader.tensors)
+    rope_freqs = next((float32_tensor(t) for t in reader.tensors if t.name == architectures.ROPE_FREQS), None)
+    config = architectures.hf_config(arch, meta, shapes, rope_freqs)
+    tensors = dict(architectures.hf_tensor(arch, t.name, float32_tensor(t), config) for t in reader.tensors
+                   if t.name != architectures.ROPE_FREQS)
     hf_tokenizer = tokenizer.build_tokenizer(meta)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))

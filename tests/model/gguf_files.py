@@ -5,6 +5,7 @@ and key rows permuted as convert_hf_to_gguf.py's `LlamaModel.permute` does), and
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,27 @@ NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute(w, n_head, n_head)`, as it reads there."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs.weight for a llama3 rope scaling (LlamaModel.generate_extra_tensors)."""
+    rope = config["rope_parameters"]
+    base, dim = rope["rope_theta"], config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low_freq_factor, high_freq_factor = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
 
 
 def byte_level_fields(tokenizer: Tokenizer, pre: str = "gpt-2", control: tuple[str, ...] = (),

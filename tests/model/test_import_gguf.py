@@ -25,6 +25,7 @@ from tests.model.gguf_files import (  # noqa: E402
     NORMAL,
     byte_level_fields,
     checkpoint_tensors,
+    llama3_rope_freqs,
     permute,
     write_gguf,
 )
@@ -81,6 +82,39 @@ def test_an_f32_gguf_imports_to_transformers_logits(tiny_tokenizer, tmp_path, fa
     assert generate(ours, [prompt], 24, temperature=0.0)[0] == greedy_hf(hf, prompt, 24)
     assert json.loads((tmp_path / "ours" / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
     assert json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"] == 0
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),  # Llama 3.1
+    dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),  # Llama 3.2
+    dict(factor=16.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=4096),
+])
+def test_rope_freqs_give_back_a_llama3_scaling_with_the_same_factors(scaling):
+    config = dict(hidden_size=128 * 4, num_attention_heads=4, rope_parameters={"rope_theta": 500000.0, **scaling})
+    factors = llama3_rope_freqs(config)
+    got = architectures.llama3_scaling(factors, 500000.0, 128)
+    assert got["rope_type"] == "llama3" and got["factor"] == scaling["factor"]
+    assert got["high_freq_factor"] / got["low_freq_factor"] == pytest.approx(
+        scaling["high_freq_factor"] / scaling["low_freq_factor"], rel=1e-6)
+    np.testing.assert_allclose(llama3_rope_freqs({**config, "rope_parameters": {"rope_theta": 500000.0, **got}}),
+                               factors, rtol=1e-6)
+    with pytest.raises(architectures.UnsupportedGGUF, match="no llama3 rope scaling gives these factors"):
+        architectures.llama3_scaling(factors[::-1].copy(), 500000.0, 128)
+
+
+def test_a_llama3_rope_gguf_imports_to_transformers_logits(tiny_tokenizer, tmp_path):
+    """The rotary factors of the file (rope_freqs.weight, none of them between 1 and the factor at this size)
+    become a llama3 rope scaling that gives the same frequencies."""
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, "llama3-rope")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tensors = {**checkpoint_tensors(tmp_path / "hf"), "rope_freqs.weight": llama3_rope_freqs(config)}
+    import_gguf(write_gguf(tmp_path / "m.gguf", "llama", byte_level_fields(tiny_tokenizer), config, tensors),
+                tmp_path / "ours")
+    ours, _ = load_model_dir(tmp_path / "ours")
+    assert ours.config.rope_scaling["rope_type"] == "llama3"
+    ids = torch.tensor([list(range(3, 120))])  # past the original context of 32 positions
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.BF16])
@@ -184,7 +218,7 @@ def refused(tmp_path, capsys, path) -> str:
     (dict(arch="falcon"), "architecture 'falcon' is not supported"),
     (dict(extra={"blk.0.ffn_gate_inp.weight": np.zeros((2, 8), np.float32)}),
      "tensor 'blk.0.ffn_gate_inp.weight' has no Hugging Face name in the llama architecture"),
-    (dict(extra={"rope_freqs.weight": np.ones(2, np.float32)}), "rope_freqs.weight"),
+    (dict(extra={"rope_freqs.weight": np.ones(2, np.float32)}), "rope_freqs.weight holds 2 factors up to 1"),
     (dict(fields={"pre": "deepseek-coder"}), "tokenizer.ggml.pre 'deepseek-coder'"),
     (dict(fields={"model": "t5"}), "tokenizer.ggml.model 't5' is not supported"),
 ])
