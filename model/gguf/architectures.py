@@ -15,7 +15,8 @@ llama.cpp's converter interleaves the rows of each head of the query and key pro
 dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back. Other
 architectures are stored as Hugging Face has them.
 
-An architecture not listed here, or a tensor an architecture's table does not name, is refused by name.
+An architecture not listed here or whose Hugging Face architecture import_hf does not read (qwen3, for now),
+or a tensor an architecture's table does not name, is refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from model.hf import llama
 
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -58,10 +61,15 @@ class UnsupportedGGUF(ValueError):
     """An architecture, tensor or option of a GGUF file this importer does not convert; the message names it."""
 
 
+def importable() -> list[str]:
+    """The architectures whose Hugging Face architecture import_hf reads (a table may be ready before it)."""
+    return [name for name, spec in ARCHITECTURES.items() if spec.hf_architecture in llama.ARCHITECTURES]
+
+
 def architecture(meta: dict[str, Any]) -> tuple[str, Architecture]:
     name = meta.get("general.architecture")
-    if name not in ARCHITECTURES:
-        raise UnsupportedGGUF(f"architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if name not in importable():
+        raise UnsupportedGGUF(f"architecture {name!r} is not supported (supported: {', '.join(importable())})")
     return name, ARCHITECTURES[name]
 
 

@@ -86,7 +86,7 @@ def import_gguf(src: str | Path, out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     return conversion_main(argv, "attnserve import-gguf", __doc__.split("\n\n")[0],
-                           f"GGUF file (architectures: {', '.join(architectures.ARCHITECTURES)})",
+                           f"GGUF file (architectures: {', '.join(architectures.importable())})",
                            "attnserve model directory to write", import_gguf, (ValueError, FileNotFoundError, KeyError))
 
 
