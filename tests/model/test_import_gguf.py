@@ -117,8 +117,8 @@ def test_a_llama3_rope_gguf_imports_to_transformers_logits(tiny_tokenizer, tmp_p
         assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.BF16])
-def test_quantized_weights_are_the_dequantized_numbers(tiny_tokenizer, tmp_path, qtype):
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0])
+def test_stored_weights_are_the_dequantized_numbers(tiny_tokenizer, tmp_path, qtype):
     save_random(tmp_path / "hf", tiny_tokenizer, "llama")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     state = checkpoint_tensors(tmp_path / "hf")
