@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
@@ -36,20 +36,19 @@ DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K)
 def metadata(reader: GGUFReader) -> dict[str, Any]:
     """Every key-value field of the file as a Python value (a list for an array); the GGUF. header fields
     are left out."""
-    out = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        out[name] = field.contents()
-    return out
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def float32_tensor(t) -> np.ndarray:
-    """A tensor of the file as float32 in numpy's row-major shape (GGUF lists dimensions innermost first)."""
+def check_kind(t: ReaderTensor) -> None:
     if t.tensor_type not in DEQUANTIZED:
         raise architectures.UnsupportedGGUF(
             f"tensor {t.name} is {t.tensor_type.name}, which is not read (read: "
             f"{', '.join(q.name for q in DEQUANTIZED)}); requantize the model to one of those with llama-quantize")
+
+
+def float32_tensor(t: ReaderTensor) -> np.ndarray:
+    """A tensor of the file as float32 in numpy's row-major shape (GGUF lists dimensions innermost first)."""
+    check_kind(t)
     shape = tuple(int(d) for d in reversed(t.shape))
     return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
@@ -58,12 +57,16 @@ def write_hf_dir(reader: GGUFReader, out: Path) -> str:
     """The Hugging Face directory the file describes, written into `out`; returns the GGUF architecture."""
     meta = metadata(reader)
     arch, _ = architectures.architecture(meta)
+    hf_tokenizer = tokenizer.build_tokenizer(meta)
+    for t in reader.tensors:  # every refusal before the first weight is dequantized
+        check_kind(t)
+        if t.name != architectures.ROPE_FREQS:
+            architectures.hf_name(arch, t.name)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     rope_freqs = next((float32_tensor(t) for t in reader.tensors if t.name == architectures.ROPE_FREQS), None)
     config = architectures.hf_config(arch, meta, shapes, rope_freqs)
     tensors = dict(architectures.hf_tensor(arch, t.name, float32_tensor(t), config) for t in reader.tensors
                    if t.name != architectures.ROPE_FREQS)
-    hf_tokenizer = tokenizer.build_tokenizer(meta)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / "model.safetensors"))
