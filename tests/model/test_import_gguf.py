@@ -216,27 +216,29 @@ def refused(tmp_path, capsys, path) -> str:
 
 @pytest.mark.parametrize("change,message", [
     (dict(arch="falcon"), "architecture 'falcon' is not supported"),
-    (dict(extra={"blk.0.ffn_gate_inp.weight": np.zeros((2, 8), np.float32)}),
+    (dict(extra={"blk.0.ffn_gate_inp.weight": np.zeros((2, 32), np.float32)}),
      "tensor 'blk.0.ffn_gate_inp.weight' has no Hugging Face name in the llama architecture"),
     (dict(extra={"rope_freqs.weight": np.ones(2, np.float32)}), "rope_freqs.weight holds 2 factors up to 1"),
     (dict(fields={"pre": "deepseek-coder"}), "tokenizer.ggml.pre 'deepseek-coder'"),
     (dict(fields={"model": "t5"}), "tokenizer.ggml.model 't5' is not supported"),
+    (dict(qtype=Q.Q4_1), "tensor token_embd.weight is Q4_1, which is not read"),
 ])
 def test_what_is_not_supported_is_refused_by_name(tiny_tokenizer, tmp_path, capsys, change, message):
-    config = dict(num_hidden_layers=1, max_position_embeddings=64, hidden_size=8, intermediate_size=16,
+    config = dict(num_hidden_layers=1, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
                   num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0)
     rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (tiny_tokenizer.vocab_size, 8), "model.norm.weight": (8,),
+    D, F = 32, 64  # rows of 32: a block of the quantized kinds
+    shapes = {"model.embed_tokens.weight": (tiny_tokenizer.vocab_size, D), "model.norm.weight": (D,),
               **{f"model.layers.0.{n}": s for n, s in [
-                  ("input_layernorm.weight", (8,)), ("post_attention_layernorm.weight", (8,)),
-                  ("self_attn.q_proj.weight", (8, 8)), ("self_attn.k_proj.weight", (8, 8)),
-                  ("self_attn.v_proj.weight", (8, 8)), ("self_attn.o_proj.weight", (8, 8)),
-                  ("mlp.gate_proj.weight", (16, 8)), ("mlp.up_proj.weight", (16, 8)),
-                  ("mlp.down_proj.weight", (8, 16))]}}
+                  ("input_layernorm.weight", (D,)), ("post_attention_layernorm.weight", (D,)),
+                  ("self_attn.q_proj.weight", (D, D)), ("self_attn.k_proj.weight", (D, D)),
+                  ("self_attn.v_proj.weight", (D, D)), ("self_attn.o_proj.weight", (D, D)),
+                  ("mlp.gate_proj.weight", (F, D)), ("mlp.up_proj.weight", (F, D)),
+                  ("mlp.down_proj.weight", (D, F))]}}
     tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     fields = {**byte_level_fields(tiny_tokenizer), **change.get("fields", {})}
     path = write_gguf(tmp_path / "m.gguf", change.get("arch", "llama"), fields, config,
-                      {**tensors, **change.get("extra", {})})
+                      {**tensors, **change.get("extra", {})}, change.get("qtype", Q.F32))
     assert message in refused(tmp_path, capsys, path)
 
 
