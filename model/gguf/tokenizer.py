@@ -12,8 +12,9 @@ Two tokenizer models are read:
              add_space_prefix, after the start and after each special token), and a character with no
              piece falls back to its `<0xXX>` byte pieces.
 
-Control and unknown tokens are special (matched in text, as `llama-tokenize` matches them);
-user-defined tokens are matched in text too, but are not special. The BOS (and EOS) is added to every
+Control and unknown tokens are special (matched in text, as `llama-tokenize` matches them), and so are the
+tokens llama.cpp makes control tokens by their text (EOG_TEXTS: `<|im_end|>`, `<|eot_id|>`, ...), which also
+end generation; user-defined tokens are matched in text too, but are not special. The BOS (and EOS) is added to every
 encoding as `tokenizer.ggml.add_bos_token` (`add_eos_token`) says, or as llama.cpp defaults it when the
 file does not say. A tokenizer model or pre-tokenizer name not listed here is refused by name.
 """
@@ -54,6 +55,11 @@ PRE_TOKENIZERS = {
     "smollm": PreTokenizer([r"\p{N}", GPT2_REGEX]),
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
+# tokens that end generation by their text, whatever the file names its EOS (llama.cpp's llama-vocab.cpp list)
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                       "<｜end▁of▁sentence｜>", "[e~["})
 
 
 class UnsupportedTokenizer(ValueError):
@@ -64,11 +70,18 @@ def ggml(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return meta.get(f"tokenizer.ggml.{key}", default)
 
 
+def token_types(meta: dict[str, Any]) -> list[int]:
+    """tokenizer.ggml.token_type, with the tokens of EOG_TEXTS made control tokens (as llama.cpp makes them)."""
+    tokens = ggml(meta, "tokens")
+    types = ggml(meta, "token_type") or [NORMAL] * len(tokens)
+    return [CONTROL if text in EOG_TEXTS else kind for text, kind in zip(tokens, types, strict=True)]
+
+
 def build_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     """The `tokenizers.Tokenizer` of a GGUF file's metadata (keys as written, values as Python values)."""
     kind = ggml(meta, "model")
     tokens: list[str] = ggml(meta, "tokens")
-    types: list[int] = ggml(meta, "token_type") or [NORMAL] * len(tokens)
+    types = token_types(meta)
     if kind == "gpt2":
         hf, add_bos = byte_level_bpe(meta, tokens)
     elif kind == "llama":
@@ -129,14 +142,14 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
 
 def post_processor(meta: dict[str, Any], tokens: list[str], add_bos: bool, add_eos: bool):
     """BOS and EOS around every encoding, as the file asks (None when it adds neither)."""
-    ends = [(key, add) for key, add in (("bos", add_bos), ("eos", add_eos)) if add]
+    ends = [key for key, add in (("bos", add_bos), ("eos", add_eos)) if add]
     if not ends:
         return None
-    named = {key: (tokens[ggml(meta, f"{key}_token_id")], ggml(meta, f"{key}_token_id")) for key, _ in ends}
-    for key, _ in ends:
-        if named[key][1] is None:
+    for key in ends:
+        if ggml(meta, f"{key}_token_id") is None:
             raise UnsupportedTokenizer(f"tokenizer.ggml.add_{key}_token is set but tokenizer.ggml.{key}_token_id "
                                        "is missing")
+    named = {key: (tokens[ggml(meta, f"{key}_token_id")], ggml(meta, f"{key}_token_id")) for key in ends}
     bos = f"{named['bos'][0]}:0 " if add_bos else ""
     eos = f" {named['eos'][0]}:0" if add_eos else ""
     return processors.TemplateProcessing(single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}".strip(),
@@ -145,7 +158,8 @@ def post_processor(meta: dict[str, Any], tokens: list[str], add_bos: bool, add_e
 
 def tokenizer_files(meta: dict[str, Any]) -> dict[str, dict]:
     """tokenizer_config.json (the special tokens by name, the chat template) and generation_config.json (the
-    ids that end generation: EOS, and end-of-turn / end-of-message where the file names them)."""
+    ids that end generation, as llama.cpp's: EOS, end-of-turn / end-of-message where the file names them, and
+    every control token of EOG_TEXTS)."""
     tokens = ggml(meta, "tokens")
     config: dict[str, Any] = {}
     for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
@@ -154,6 +168,7 @@ def tokenizer_files(meta: dict[str, Any]) -> dict[str, dict]:
     if (template := meta.get("tokenizer.chat_template")) is not None:
         config["chat_template"] = template
     eos = [i for key in ("eos", "eot", "eom") if (i := ggml(meta, f"{key}_token_id")) is not None]
+    eos += [i for i, text in enumerate(tokens) if text in EOG_TEXTS]
     eos = list(dict.fromkeys(eos))
     generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos else {}
     if (bos := ggml(meta, "bos_token_id")) is not None:

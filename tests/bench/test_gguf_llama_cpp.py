@@ -55,7 +55,8 @@ TEXTS = ["Rom.\nBut soft, what light through yonder window breaks?",
          "  It's the east -- 1234567 tomorrow!\n\n\n   and 3.14159, 1,000,000 (42)",
          "Ünïcödé façade, naïve café: 日本語のテキスト 🙂👍🏽 Ελληνικά русский\t\ttabs   and  spaces  ",
          "don't WE'LL you've I'm\r\nwindows\r\n\r\nlines   ",
-         "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n", " leading space<|endoftext|>x"]
+         "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n", " leading space<|endoftext|>x",
+         "a <tool>call</tool><|eot_id|>  <|eot_id|>\n"]
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -178,7 +179,8 @@ def mixed_tokenizer() -> Tokenizer:
 
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "default", "smollm"])
 def test_byte_level_tokenization_is_llama_tokenizes(llama_tokenize_built, mixed_tokenizer, tmp_path, pre):
-    fields = byte_level_fields(mixed_tokenizer, pre=pre, control=("<|im_start|>", "<|im_end|>"))
+    fields = byte_level_fields(mixed_tokenizer, pre=pre, control=("<|im_start|>", "<|im_end|>"),
+                               user_defined=("<tool>", "<|eot_id|>"))  # llama.cpp makes the second control
     path = write_gguf(tmp_path / "vocab.gguf", "llama", fields)
     ours = build_tokenizer(gguf_metadata(path))
     for text in TEXTS + [t.upper() for t in TEXTS]:

@@ -196,6 +196,14 @@ def test_sentencepiece_merges_the_best_scored_pair_first_and_falls_back_to_bytes
     assert spm_merges(["a", "b", "ab", "x", "abx"], [0, 0, -1, 0, -0.5])[0] == ("ab", "x")
 
 
+def test_tokens_llama_cpp_ends_generation_on_by_their_text_are_special_and_end_generation(tiny_tokenizer):
+    fields = byte_level_fields(tiny_tokenizer, user_defined=("<|im_end|>", "<tool>"))
+    im_end, tool = len(fields["tokens"]) - 2, len(fields["tokens"]) - 1
+    hf = build_tokenizer(meta_of(fields))
+    assert hf.get_added_tokens_decoder()[im_end].special and not hf.get_added_tokens_decoder()[tool].special
+    assert tokenizer_files(meta_of(fields))["generation_config.json"]["eos_token_id"] == [0, im_end]
+
+
 def test_tokenizer_files_keep_the_chat_template_and_every_end_of_generation_id():
     fields = {**spm_fields(), "eot_token_id": 5, "chat_template": "{{ bos_token }}"}
     meta = {**meta_of({k: v for k, v in fields.items() if k != "chat_template"}),
