@@ -81,6 +81,8 @@ def build_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     """The `tokenizers.Tokenizer` of a GGUF file's metadata (keys as written, values as Python values)."""
     kind = ggml(meta, "model")
     tokens: list[str] = ggml(meta, "tokens")
+    if not tokens:
+        raise UnsupportedTokenizer("the file has no vocabulary (tokenizer.ggml.tokens)")
     types = token_types(meta)
     if kind == "gpt2":
         hf, add_bos = byte_level_bpe(meta, tokens)

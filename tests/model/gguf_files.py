@@ -78,6 +78,8 @@ def sentencepiece_fields(texts: list[str], vocab_size: int = 400) -> dict:
 
 def add_tokenizer(w: gguf.GGUFWriter, fields: dict) -> None:
     for key, value in fields.items():
+        if value is None:  # left out of the file
+            continue
         if key == "chat_template":
             w.add_chat_template(value)
         elif key == "scores":

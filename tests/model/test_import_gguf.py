@@ -229,6 +229,7 @@ def refused(tmp_path, capsys, path) -> str:
     (dict(extra={"rope_freqs.weight": np.ones(2, np.float32)}), "rope_freqs.weight holds 2 factors up to 1"),
     (dict(fields={"pre": "deepseek-coder"}), "tokenizer.ggml.pre 'deepseek-coder'"),
     (dict(fields={"model": "t5"}), "tokenizer.ggml.model 't5' is not supported"),
+    (dict(fields={"tokens": None}), "the file has no vocabulary (tokenizer.ggml.tokens)"),
     (dict(qtype=Q.Q4_1), "tensor token_embd.weight is Q4_1, which is not read"),
 ])
 def test_what_is_not_supported_is_refused_by_name(tiny_tokenizer, tmp_path, capsys, change, message):
