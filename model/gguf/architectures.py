@@ -4,6 +4,7 @@ and the Hugging Face name of each of its tensors, one table per architecture.
     token_embd                  model.embed_tokens
     blk.i.attn_norm             model.layers.i.input_layernorm
     blk.i.attn_{q,k,v}          model.layers.i.self_attn.{q,k,v}_proj    (weight; qwen2 also bias)
+    blk.i.attn_{q,k}_norm       model.layers.i.self_attn.{q,k}_norm      (qwen3)
     blk.i.attn_output           model.layers.i.self_attn.o_proj
     blk.i.ffn_norm              model.layers.i.post_attention_layernorm
     blk.i.ffn_{gate,up,down}    model.layers.i.mlp.{gate,up,down}_proj
@@ -15,8 +16,8 @@ llama.cpp's converter interleaves the rows of each head of the query and key pro
 dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back. Other
 architectures are stored as Hugging Face has them.
 
-An architecture not listed here or whose Hugging Face architecture import_hf does not read (qwen3, for now),
-or a tensor an architecture's table does not name, is refused by name.
+An architecture not listed here or whose Hugging Face architecture import_hf does not read, or a tensor an
+architecture's table does not name, is refused by name.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_output.weight
                **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}}
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, as the factors each frequency is divided by: a config field
+# <arch>.rope.scaling.* -> the Hugging Face rope scaling's field (as convert_hf_to_gguf.py writes them for yarn)
+SCALING_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+                "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0  # Llama 3.1's low/high_freq_factor, taken where the factors leave them open
 
 
@@ -129,7 +133,12 @@ def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[in
         raise UnsupportedGGUF(f"{arch}.attention.value_length differs from its key_length")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor")}
+        key("rope.scaling.factor")
+        hf["rope_scaling"] = {"rope_type": scaling, **{ours: meta[f"{arch}.rope.scaling.{name}"]
+                                                       for name, ours in SCALING_KEYS.items()
+                                                       if f"{arch}.rope.scaling.{name}" in meta}}
+        if meta.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise UnsupportedGGUF(f"{arch}.rope.scaling.yarn_ext_factor other than 1 is not supported")
     elif rope_freqs is not None:
         hf["rope_scaling"] = llama3_scaling(rope_freqs, hf["rope_theta"], head_dim)
     for name in ("bos", "eos"):

@@ -1,8 +1,8 @@
 """`attnserve import-gguf` against llama.cpp itself: GGUF files made by its converter (convert_hf_to_gguf.py)
 from random Hugging Face checkpoints and quantized by its llama-quantize, imported, exported and served.
 
-- F32: the served greedy tokens are transformers' own (also for a llama3 rope scaling, whose rope_freqs.weight
-  becomes the config's scaling again).
+- F32: the served greedy tokens are transformers' own (Llama, Qwen2, Qwen3; a llama3 rope scaling, whose
+  rope_freqs.weight becomes the config's scaling again, and yarn).
 - Q8_0, Q4_0, Q4_K_M: imported weights are the file's numbers dequantized, so the fair comparison is with
   llama.cpp computing on those same numbers: llama-quantize turns the quantized file back into F32 (its own
   dequantization), and llama-server's greedy tokens on that file must equal ours exactly. Against llama.cpp's
@@ -101,7 +101,7 @@ def served_greedy(bundle: Path, prompts: list[list[int]], n: int, eos_chosen: bo
     return [run_.tokens(r.request_id) for r in requests]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-rope", "qwen2-yarn", "qwen3"])
 def family(request, tiny_tokenizer, tmp_path_factory):
     """(family, transformers model, work folder, the converter's F32 GGUF)."""
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
@@ -130,8 +130,8 @@ def test_an_f32_gguf_is_served_as_transformers_generates(family):
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k_m"])
 def test_a_quantized_gguf_is_served_as_llama_cpp_computes_on_its_numbers(family, kind):
     name, hf, root, f32 = family
-    if name == "llama3-rope":
-        pytest.skip("the llama3 rope scaling is checked at F32; its weights quantize as the llama model's")
+    if name not in ("llama", "qwen2"):
+        pytest.skip("rope scalings and Qwen3 are checked at F32; their weights quantize as the llama and qwen2 ones")
     if kind == "q4_k_m" and name != "llama":
         pytest.skip("K-quants need rows of 256: the llama model only")
     quantized = quantize(f32, kind.upper(), root / f"{name}-{kind}.gguf")

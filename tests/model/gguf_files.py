@@ -102,8 +102,18 @@ def add_hparams(w: gguf.GGUFWriter, config: dict) -> None:
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    w.add_rope_dimension_count(head_dim)
+    if config.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if rope.get("rope_type") in ("linear", "yarn"):  # as convert_hf_to_gguf.py writes them
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def write_gguf(path: Path, arch: str, tokenizer_fields: dict, config: dict | None = None,

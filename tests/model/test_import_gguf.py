@@ -84,6 +84,20 @@ def test_an_f32_gguf_imports_to_transformers_logits(tiny_tokenizer, tmp_path, fa
     assert json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"] == 0
 
 
+@pytest.mark.parametrize("family,arch", [("qwen3", "qwen3"), ("qwen2-yarn", "qwen2"), ("llama-linear-rope", "llama")])
+def test_head_width_norms_and_rope_scalings_import_to_transformers_logits(tiny_tokenizer, tmp_path, family, arch):
+    """Qwen3's head width and query/key norms, and the rope scalings the metadata names (yarn, linear)."""
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    path = write_gguf(tmp_path / "m.gguf", arch, byte_level_fields(tiny_tokenizer), config,
+                      checkpoint_tensors(tmp_path / "hf"))
+    import_gguf(path, tmp_path / "ours")
+    ours, _ = load_model_dir(tmp_path / "ours")
+    ids = torch.tensor([list(range(3, 120))])  # past the original context of the scaled ones
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("scaling", [
     dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),  # Llama 3.1
     dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),  # Llama 3.2
