@@ -163,8 +163,8 @@ $(OPENVINO)/bin/.installed: bench/requirements-openvino.txt constraints.txt
 
 bench-peers: $(PEERS)/bin/.installed $(CT2)/bin/.installed $(OPENVINO)/bin/.installed
 
-# llama.cpp as a peer (bench/peers/llama_cpp.py): llama-server, llama-batched-bench and llama-quantize, built
-# for this CPU from the source the llama-cpp-python sdist vendors and cached under ~/.cache/attnserve/peers
+# llama.cpp as a peer (bench/peers/llama_cpp.py): llama-server, llama-batched-bench and llama-quantize (and
+# llama-tokenize, for the GGUF import's tests), built for this CPU from the source the llama-cpp-python sdist vendors and cached under ~/.cache/attnserve/peers
 # (about 10 minutes the first time); then .venv-llama-cpp, the virtualenv of that source's converter
 # (convert_hf_to_gguf.py: its requirements, torch pinned by constraints.txt; bench/requirements-llama-cpp.txt)
 LLAMA_CPP := .venv-llama-cpp

@@ -3,10 +3,10 @@ including those inside functions):
 
 - the engine imports no front: no grpc, no HTTP stack, nothing from service.fronts, the client or the server;
 - the runtime imports neither the engine nor a front (the engine builds on it, never the reverse);
-- serving (service/) imports neither torch nor anything from model/, export/ or bench/;
+- serving (service/) imports neither torch, transformers nor gguf, nor anything from model/, export/ or bench/;
 - export/ and model/ use from service/ only the runtime (the bundle format, the tokenizer, the runners);
 - the network (the modules at the top of model/) imports neither training (model/training/) nor Hugging Face
-  conversion (model/hf/), and export/ builds on the network alone;
+  or GGUF conversion (model/hf/, model/gguf/), and export/ builds on the network alone;
 - no two modules of service/, model/ or export/ import each other, directly or through others: an import
   inside a function or under TYPE_CHECKING counts too, as it hides a cycle from the interpreter, not from
   whoever reads the two modules;
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # every package of model/: the network at the top, and the subpackages that build on it
-MODEL_PACKAGES = ("model", "model/training", "model/hf")
+MODEL_PACKAGES = ("model", "model/training", "model/hf", "model/gguf")
 # the folders no import cycle may run through
 CYCLE_FREE = ("service", "model", "export")
 
@@ -65,7 +65,7 @@ def test_the_rules_see_imports_inside_functions(tmp_path):
 @pytest.mark.parametrize("folders,forbidden", [
     (("service/engine",), FRONT_MODULES),
     (("service/runtime",), FRONT_MODULES + ("service.engine",)),
-    (("service",), ("torch", "model", "export", "bench")),
+    (("service",), ("torch", "transformers", "gguf", "model", "export", "bench")),
     (("export", "model"), ("service.engine", "service.fronts", "service.client", "service.server", "service.settings")),
 ], ids=["engine-imports-no-front", "runtime-imports-no-engine-or-front", "serving-imports-no-torch-or-model", "export-and-model-use-only-the-runtime"])
 def test_import_rule(folders, forbidden):
@@ -79,11 +79,11 @@ def test_the_rules_know_every_package_of_model():
 
 def test_the_network_imports_neither_training_nor_hugging_face_conversion():
     network = sorted((ROOT / "model").glob("*.py"))
-    assert network and offences(network, ("model.training", "model.hf")) == []
+    assert network and offences(network, ("model.training", "model.hf", "model.gguf")) == []
 
 
 def test_export_builds_on_the_network_alone():
-    assert offences(sources("export"), ("model.training", "model.hf")) == []
+    assert offences(sources("export"), ("model.training", "model.hf", "model.gguf")) == []
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -241,10 +241,15 @@ TABLE: dict[str, Run | Skip] = {
     ".venv/bin/attnserve train --out runs/small --n-layer 2 --max-steps 300": Skip(TRAINING),
     ".venv/bin/attnserve train --out runs/small --resume": Skip(TRAINING + ", continuing the run above"),
     ".venv/bin/attnserve import-hf path/to/local/gpt2 -o models/gpt2": Skip(OWN_CHECKPOINT),
+    ".venv/bin/attnserve import-gguf path/to/model-q4_k_m.gguf -o models/from-gguf": Skip(OWN_CHECKPOINT),
     ".venv/bin/attnserve export models/gpt2 -o models/gpt2-onnx --optimize --int8 --verify": Skip(AFTER_OWN_CHECKPOINT),
     ".venv/bin/attnserve import-hf path/to/SmolLM2-135M -o models/smollm2": Skip(OWN_CHECKPOINT),
     ".venv/bin/attnserve export models/smollm2 -o models/smollm2-onnx --int8 --verify": Skip(AFTER_OWN_CHECKPOINT),
     ".venv/bin/attnserve serve --bundle models/smollm2-onnx": Skip(AFTER_OWN_CHECKPOINT),
+    ".venv/bin/attnserve import-gguf path/to/qwen2.5-0.5b-instruct-q8_0.gguf -o models/qwen2.5-0.5b":
+        Skip(OWN_CHECKPOINT),
+    ".venv/bin/attnserve export models/qwen2.5-0.5b -o models/qwen2.5-0.5b-onnx --int8 --verify":
+        Skip(AFTER_OWN_CHECKPOINT),
     G2P: Run(SERVER, server_log(r"serving g2p-cmudict ")),
     "grpcurl -plaintext -d '{\"prompt\": \"transformer\"}' localhost:50051 attnserve.v1.TextGeneration/Generate":
         Skip(NO_GRPCURL),

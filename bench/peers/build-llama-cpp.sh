@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server, llama-batched-bench and llama-quantize for `attnserve bench compare`
-# (bench/peers/llama_cpp.py), built as a user builds them for this CPU: cmake with GGML_NATIVE=ON, from the
-# llama.cpp source that the llama-cpp-python sdist vendors (PyPI is the one registry these machines reach).
+# (bench/peers/llama_cpp.py), and llama-tokenize for the GGUF import's tests (tests/bench/test_gguf_llama_cpp.py),
+# built as a user builds them for this CPU: cmake with GGML_NATIVE=ON, from the llama.cpp source that the
+# llama-cpp-python sdist vendors (PyPI is the one registry these machines reach).
 # No source is patched.
 #
 #   bench/peers/build-llama-cpp.sh           # prints the folder that holds the programs
@@ -17,7 +18,7 @@ CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/attnserve/peers"
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 CPU="$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-8)"
 BUILD="$CACHE/llama.cpp-$VERSION-$CPU"
-PROGRAMS=(llama-server llama-batched-bench llama-quantize)
+PROGRAMS=(llama-server llama-batched-bench llama-quantize llama-tokenize)
 
 say() { echo "[build-llama-cpp] $*" >&2; }
 

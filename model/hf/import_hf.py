@@ -130,7 +130,8 @@ def read_hf_tokenizer(src: Path, eos_id: int) -> Tokenizer:
     raise FileNotFoundError(f"{src} has neither tokenizer.json nor vocab.json + merges.txt")
 
 
-def import_hf(src: str | Path, out: str | Path) -> Path:
+def import_hf(src: str | Path, out: str | Path, source: str | None = None) -> Path:
+    """`source` is the model directory's record of where it came from (default: huggingface-<architecture>)."""
     src = Path(src)
     config_path = src / "config.json"
     if not config_path.is_file():
@@ -155,7 +156,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
         raise llama.Unsupported(f"architecture {architecture} is not supported (supported: {supported})")
     model = GPT(config)
     model.load_state_dict(state, strict=True)
-    out = save_model_dir(model, tokenizer, out, metadata={"source": f"huggingface-{architecture}"})
+    out = save_model_dir(model, tokenizer, out, metadata={"source": source or f"huggingface-{architecture}"})
     for name in TOKENIZER_EXTRAS:
         if (src / name).is_file():
             (out / name).write_bytes((src / name).read_bytes())
