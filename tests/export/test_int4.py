@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -78,11 +79,18 @@ def test_the_engine_decodes_greedily_with_the_int4_graph(int4_bundle, make_engin
     assert run.tokens("a") == want
 
 
-def test_auto_times_the_int4_graph_among_the_others(int4_bundle, caplog):
+def test_auto_times_the_int4_graph_among_the_others(int4_bundle, caplog, tmp_path):
+    """Timed with the others on every CPU; whether it is then served is the probe's call on this CPU (on AVX2
+    alone its 4-bit kernel is not batch-invariant, and the warning says so)."""
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
-        runner = open_serving_graph(int4_bundle, max_batch=4)
-    [line] = [r.getMessage() for r in caplog.records if "graph choice" in r.getMessage()]
-    assert "static-int4 (int4): " in line and f"serving {runner.graph_name} (" in line
+        runner = open_serving_graph(int4_bundle, max_batch=4, cache_dir=tmp_path)
+    [kept] = [json.loads(p.read_text())["choice"] for p in tmp_path.rglob("*.json")]
+    assert {"static", "static-int4"} <= set(kept["step_ms"])  # what was timed, whatever is served
+    [line] = [m for m in caplog.messages if m.startswith("graph choice on ")]
+    assert f"serving {runner.graph_name} (" in line
+    refusals = [m for m in caplog.messages if m.startswith("graph choice: not serving static-int4: ")]
+    if runner.graph_name != "static-int4":  # measured beside the one served, or refused with the reason
+        assert "static-int4 (int4): " in line or (refusals and "static-int4" in kept["refused"])
 
 
 def test_block_sizes_are_read_from_the_candidate_name():
