@@ -6,10 +6,10 @@ the norm (LayerNorm or RMSNorm), the feed-forward (GELU, SwiGLU or GeGLU), the k
 attention when fewer than the query heads), biases, tied embeddings, and the per-head choices of newer
 families: a head width of its own (Qwen3, Gemma), an RMSNorm on each query and key head (Qwen3, Gemma 3),
 rotary positions on part of each head (Phi-3/4) or on no head at all in some blocks (SmolLM3); sliding-window
-attention on some or all layers (Mistral, Qwen2, Gemma 2/3), with a rotary base of their own (Gemma 3); and
-Gemma's extras: norms after each sublayer too, embeddings scaled by sqrt(d_model), an attention scale of its
-own, and tanh soft-capping of the attention scores and the final logits. Field names follow our own
-vocabulary; `import_hf` maps Hugging Face names onto them.
+attention on some or all layers (Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, Gemma 2/3), with a rotary base of their
+own (Gemma 3); and Gemma's extras: norms after each sublayer too, embeddings scaled by sqrt(d_model), an
+attention scale of its own, and tanh soft-capping of the attention scores and the final logits. Field names
+follow our own vocabulary; `import_hf` maps Hugging Face names onto them.
 """
 
 from __future__ import annotations

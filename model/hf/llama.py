@@ -29,9 +29,11 @@ Gemma 3 (text) adds query/key norms of the same kind (offset alike) and a rotary
 sliding layers' base (`rope_local_base_freq`, or transformers 5's `rope_parameters["sliding_attention"]`)
 becomes `rope_local_theta`.
 
-Sliding windows: Mistral windows every layer when `sliding_window` is set; Qwen2 only with
-`use_sliding_window`, then the layers `layer_types` names (by default those from `max_window_layers`
-on); Gemma 2 and 3 the layers `layer_types` names (by default every other one from the first for Gemma 2,
+Sliding windows: Mistral and Phi-3 window every layer when `sliding_window` is set (Phi-3's mask, too, lets
+a query see `sliding_window` keys, itself included: Phi-3-mini-4k's 2047 is W = 2047); Qwen2 and Qwen3 only with
+`use_sliding_window`, then the layers `layer_types` names (by default those from `max_window_layers` on);
+SmolLM3 with `use_sliding_window`, the layers `layer_types` names (by default its blocks without rotary
+positions); Gemma 2 and 3 the layers `layer_types` names (by default every other one from the first for Gemma 2,
 all but every `sliding_window_pattern`-th, 6, for Gemma 3).
 """
 
@@ -133,27 +135,51 @@ def is_norm(name: str) -> bool:
     return name.split(".")[-2] in NORMS
 
 
+def smollm3_layer_types(hf: dict) -> list[str] | None:
+    """SmolLM3's layer_types, None when no layer is windowed. transformers fills them in with the window on the
+    blocks without rotary positions when use_sliding_window is on; layer_types written out are kept, and its
+    masks then window them whatever use_sliding_window says while its flash-attention path windows them only
+    with it on, so a checkpoint that names windowed layers with use_sliding_window off is refused."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        if not (hf.get("use_sliding_window") and hf.get("sliding_window") is not None):
+            return None
+        no_rope = no_rotary_layers(hf, "smollm3") or []
+        layer_types = ["sliding_attention" if i in no_rope else "full_attention"
+                       for i in range(hf["num_hidden_layers"])]
+    if "sliding_attention" not in layer_types:
+        return None
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") and window is not None and window >= hf["max_position_embeddings"]:
+        return None  # windowed or not, attention covers the whole context
+    if not hf.get("use_sliding_window") or window is None:
+        raise Unsupported("layer_types names sliding_attention layers but use_sliding_window is off or "
+                          "sliding_window unset (transformers' masks and its flash attention then disagree on "
+                          "a SmolLM3, or it fails)")
+    return layer_types
+
+
 def windows(hf: dict, kind: str) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers applies them to this family; (None, None) for none."""
     window = hf.get("sliding_window")
     if kind == "mistral":
         layer_types = None  # MistralForCausalLM windows every layer and ignores layer_types
-    elif kind == "qwen2":
+    elif kind == "phi3":
+        layer_types = None  # Phi3ForCausalLM windows every layer whenever sliding_window is set, W keys as Mistral's
+    elif kind in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window"):
             return None, None
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
                                                 else "full_attention" for i in range(hf["num_hidden_layers"])]
+    elif kind == "smollm3":  # by default the window goes to the blocks without rotary positions
+        layer_types = smollm3_layer_types(hf)
+        if layer_types is None:
+            return None, None
     elif kind in ("gemma2", "gemma3"):  # by default every 2nd (Gemma 2) or 6th (Gemma 3) layer is full
         pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6)
         layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                                 for i in range(hf["num_hidden_layers"])]
-    else:  # Phi-3 attends over `sliding_window` whenever it is set, Qwen3 and SmolLM3 with use_sliding_window;
-        # their layer rules are not mapped here, so a window that would shorten attention is refused
-        window = window if kind == "phi3" or hf.get("use_sliding_window") else None
-        if window is not None and window < hf["max_position_embeddings"]:
-            raise Unsupported(f"sliding_window {window} is shorter than the context ({hf['max_position_embeddings']} "
-                              f"positions); {kind} checkpoints with a sliding window are not supported (Mistral, "
-                              "Qwen2 and Gemma 2 ones are)")
+    else:  # Llama has no window
         return None, None
     if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
         return None, None

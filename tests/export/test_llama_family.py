@@ -3,8 +3,9 @@
 against PyTorch, and served by the engine: greedy tokens alone and batched equal transformers'. The newer
 families (Qwen3's head width and query/key norms, SmolLM3's blocks without rotary positions, Phi-3/4's
 partial rotary and fused projections) go the same way, and pass the start-up batch-invariance probe. The
-windowed families (Mistral, Qwen2 on some layers, Gemma 2 on every other one, Gemma 3 on two of three with a
-rotary base of their own) have windows of 8 positions, which the prompts and their continuations cross."""
+windowed families (Mistral and Phi-3 on every layer, Qwen2 and Qwen3 on some layers, SmolLM3 on its block without
+rotary positions, Gemma 2 on every other one, Gemma 3 on two of three with a rotary base of their own) have windows
+of 8 positions, which the prompts and their continuations cross."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from tests.engine.harness import drive, greedy, random_prompt  # noqa: E402
 from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
 
 FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "smollm3", "phi3", "mistral-window", "qwen2-window",
-            "gemma2", "gemma3"]
-WINDOWED = {"mistral-window", "qwen2-window", "gemma2", "gemma3"}
+            "qwen3-window", "smollm3-window", "phi3-window", "gemma2", "gemma3"]
+WINDOWED = {"mistral-window", "qwen2-window", "qwen3-window", "smollm3-window", "phi3-window", "gemma2", "gemma3"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -53,7 +54,7 @@ def test_the_graphs_match_pytorch_and_the_cache_holds_only_kv_heads(family_bundl
     assert (m.architecture, m.n_head, m.kv_heads) == ("llama", 4, hf.config.num_key_value_heads)
     engine = Engine(EngineConfig(bundle=bundle, graph="static", max_running=4, max_batch_tokens=64))
     assert engine.kv.shape.n_head == hf.config.num_key_value_heads  # not the 4 query heads
-    assert m.d_head == (32 if family in ("qwen3", "gemma3") else 16)  # a head width of its own, not 64 / 4
+    assert m.d_head == (32 if family.startswith(("qwen3", "gemma3")) else 16)  # a head width of its own, not 64 / 4
     layers = hf.config.num_hidden_layers
     # K,V x layers x heads x ctx x d_head x 4 bytes: a windowed layer keeps the whole context too
     assert engine.kv.shape.bytes_per_slot == 2 * layers * m.kv_heads * 128 * m.d_head * 4

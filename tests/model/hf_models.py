@@ -43,6 +43,16 @@ FAMILIES = {
     "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8)),
     "qwen2-window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # Qwen2's rule: with use_sliding_window, the layers from max_window_layers on
+    "qwen3-window": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=32, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1)),
+    # with use_sliding_window, the window on the blocks without rotary positions (the second)
+    "smollm3-window": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(
+        num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=8)),
+    # every layer windowed whenever sliding_window is set (Phi-3-mini-4k: 2047 of 4096), partial rotary
+    "phi3-window": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        partial_rotary_factor=0.75, tie_word_embeddings=False, sliding_window=8)),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
         attn_logit_softcapping=8.0, final_logit_softcapping=12.0)),

@@ -115,6 +115,10 @@ def test_the_shipped_model_exports_as_llama_with_its_logits(tmp_path):
     (dict(norm="layernorm", bias=True), "closest is Llama, which needs RMSNorm, no biases"),
     (dict(n_layer=2, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
      "as close is Qwen2, which needs biases on the query/key/value projection alone"),
+    # a windowed Qwen3 (or SmolLM3, Phi-3) is not written as one without its window
+    (dict(n_layer=2, qk_norm=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+     "closest is Llama, which needs no sliding window"),
+    (dict(rotary_fraction=0.75, sliding_window=8), "closest is Llama, which needs no sliding window"),
     (dict(attn_softcap=30.0), "closest is Llama, which needs pre-norm blocks with unscaled embeddings and no soft"),
     (dict(mlp="geglu", post_norms=True, scale_embeddings=True, attn_scale=0.3),
      "closest is Gemma 2, which needs an attention scale of 1 / sqrt(an integer)"),

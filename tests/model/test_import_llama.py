@@ -1,6 +1,6 @@
-"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM /
-Gemma2ForCausalLM / Gemma3ForCausalLM (with and without sliding windows) built with transformers, saved locally, imported, and
-compared logit for logit and token for token."""
+"""Llama-family import parity: random LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM /
+SmolLM3ForCausalLM / Phi3ForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM (with and without sliding windows) built
+with transformers, saved locally, imported, and compared logit for logit and token for token."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from model.checkpoint import load_model_dir  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.hf.import_hf import import_hf, main  # noqa: E402
+from model.hf.llama import windows  # noqa: E402
 from tests.model.hf_models import FAMILIES, greedy_hf, greedy_hf_cached, save_random  # noqa: E402
 
 
@@ -38,7 +39,8 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
         "gemma2": (True, True, 8.0, 12.0), "gemma3": (True, True, None, None)}.get(family, (False, False, None, None))
     assert (c.d_head, c.qk_norm, c.rotary_dim, c.no_rotary_layers) == {
         "qwen3": (32, True, 32, None), "smollm3": (16, False, 16, [1]), "phi3": (16, False, 12, None),
-        "phi4-mini-longrope": (16, False, 12, None),
+        "qwen3-window": (32, True, 32, None), "smollm3-window": (16, False, 16, [1]),
+        "phi3-window": (16, False, 12, None), "phi4-mini-longrope": (16, False, 12, None),
         "gemma3": (32, True, 32, None)}.get(family, (16, False, 16, None))
     if family == "gemma3":  # global layers: rope_theta, linearly scaled; sliding layers: their own base, unscaled
         assert (c.rope_theta, c.rope_scaling["factor"], c.rope_local_theta, c.rope_local_scaling) == (
@@ -62,6 +64,26 @@ def test_imported_llama_family_matches_transformers(tiny_tokenizer, tmp_path, fa
     assert generate(ours, [prompt], 32, temperature=0.0)[0] == reference(hf, prompt, 32)
 
 
+@pytest.mark.parametrize("kind,hf,want", [
+    # Phi-3-mini-4k: every layer sees 2047 keys, itself included
+    ("phi3", dict(sliding_window=2047, max_position_embeddings=4096), (2047, None)),
+    ("phi3", dict(sliding_window=131072, max_position_embeddings=131072), (None, None)),
+    # Qwen3 as Qwen2: nothing without use_sliding_window, else the layers from max_window_layers on
+    ("qwen3", dict(sliding_window=4096, max_window_layers=1, max_position_embeddings=40960), (None, None)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4096, max_window_layers=2, max_position_embeddings=40960),
+     (4096, ["full_attention", "full_attention", "sliding_attention", "sliding_attention"])),
+    # SmolLM3: by default its blocks without rotary positions (every 4th), layer_types when written out
+    ("smollm3", dict(use_sliding_window=True, sliding_window=2048, max_position_embeddings=65536),
+     (2048, ["full_attention"] * 3 + ["sliding_attention"])),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=2048, max_position_embeddings=65536,
+                     layer_types=["sliding_attention"] + ["full_attention"] * 3),
+     (2048, ["sliding_attention"] + ["full_attention"] * 3)),
+    ("smollm3", dict(sliding_window=2048, max_position_embeddings=65536), (None, None)),
+])
+def test_the_window_rules_of_qwen3_smollm3_and_phi3(kind, hf, want):
+    assert windows({"num_hidden_layers": 4, **hf}, kind) == want
+
+
 def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path):
     save_random(tmp_path / "hf", tiny_tokenizer, "llama")
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5, 7]}))
@@ -72,9 +94,9 @@ def test_every_eos_id_of_the_generation_config_is_kept(tiny_tokenizer, tmp_path)
 
 
 @pytest.mark.parametrize("family,change,message", [
-    ("phi3", dict(sliding_window=64), "sliding_window 64 is shorter than the context"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
-    ("smollm3", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context"),
+    # transformers' masks would window the second block, its flash attention would not (use_sliding_window off)
+    ("smollm3", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=32),
+     "layer_types names sliding_attention layers but use_sliding_window is off"),
     ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers has 3 entries for 2 layers"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("phi3", dict(partial_rotary_factor=0.5625, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
