@@ -17,7 +17,7 @@ post_feedforward_layernorm. Phi-3 keeps its fused projections: attn_qkv is self_
 ffn_up mlp.gate_up_proj (gate rows, then up rows).
 
 What the converter changes, undone here:
-- llama: the query/key rows of each head are interleaved (below).
+- llama, smollm3 (converted as a Llama): the query/key rows of each head are interleaved (below).
 - gemma2, gemma3: every norm weight is stored plus 1 (Gemma's RMSNorm computes x̂·(1 + w)); 1 is
   subtracted back. The query scale is not stored: llama.cpp takes 1/sqrt(head size), or, for the
   27B sizes (46 layers in Gemma 2, 62 in Gemma 3), 1/sqrt(hidden / heads); query_pre_attn_scalar is
@@ -32,8 +32,8 @@ What the converter changes, undone here:
 - smollm3: no metadata names the blocks without rotary positions; llama.cpp leaves out every 4th.
 
 llama.cpp's converter interleaves the rows of each head of the query and key projections for the
-`llama` architecture (convert_hf_to_gguf.py, `LlamaModel.permute`: llama.cpp's rotary pairs adjacent
-dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back.
+`llama` and `smollm3` architectures (convert_hf_to_gguf.py, `LlamaModel.permute`: llama.cpp's rotary pairs
+adjacent dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back.
 
 An architecture not listed here or whose Hugging Face architecture import_hf does not read, a tensor an
 architecture's table does not name, or a window on an architecture whose llama.cpp graph has none
@@ -95,7 +95,7 @@ ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM", "llama", True, BLOCK_NAMES),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", False, BLOCK_NAMES),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", False, {**BLOCK_NAMES, **QK_NORM_NAMES}),
-    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", False, BLOCK_NAMES),
+    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", True, BLOCK_NAMES),
     "phi3": Architecture("Phi3ForCausalLM", "phi3", False, PHI3_BLOCK_NAMES, windowed=True),
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", False, GEMMA_BLOCK_NAMES, 1.0, True),
     "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", False, {**GEMMA_BLOCK_NAMES, **QK_NORM_NAMES},

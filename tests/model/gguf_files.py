@@ -1,5 +1,5 @@
 """GGUF files written in the test with `gguf.GGUFWriter`, as llama.cpp's converter writes them: a Hugging Face
-checkpoint's tensors under the names gguf's own `TensorNameMap` gives them (the `llama` architecture's query
+checkpoint's tensors under the names gguf's own `TensorNameMap` gives them (the `llama` and `smollm3` query
 and key rows permuted as convert_hf_to_gguf.py's `LlamaModel.permute` does, Gemma's norm weights plus 1, Phi-3's
 longrope factors as rope_factors_long/short), its hyperparameters under the converter's metadata keys, and
 tokenizer metadata."""
@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 from service.runtime.tokenizer import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+PERMUTED = ("llama", "smollm3")  # converted by LlamaModel, which permutes the query/key rows
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -172,9 +173,9 @@ def write_gguf(path: Path, arch: str, tokenizer_fields: dict, config: dict | Non
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     for name, t in converted_tensors(arch, config, tensors or {}).items():
         t = np.ascontiguousarray(t, dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute(t, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute(t, config["num_key_value_heads"])
         ours = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if ours is None:  # a tensor of the test's own making: its name is kept
