@@ -21,7 +21,8 @@ COMMANDS = {
     "generate": ("service.client.generate", "generate text from a server (--server) or an ONNX bundle in-process"),
     "generate-local": ("model.generate", "sample from a model directory in PyTorch"),
     "import-hf": ("model.hf.import_hf", "convert a local Hugging Face GPT-2, Llama-family or BART checkpoint"),
-    "import-gguf": ("model.gguf.import_gguf", "convert a local GGUF file (llama.cpp, Ollama): Llama, Qwen2, Qwen3"),
+    "import-gguf": ("model.gguf.import_gguf", "convert a local GGUF file (llama.cpp, Ollama): Llama, Qwen2, "
+                                              "Qwen3, SmolLM3, Phi-3, Gemma 2/3"),
     "export-hf": ("model.hf.export_hf", "write a model directory as a Hugging Face GPT-2 or Llama directory"),
     "export": ("export.cli", "export a model directory to an ONNX bundle (and verify it)"),
     "bench": ("bench.cli", "run a benchmark (engine, serve, compare, ...) and record it in docs/BENCHMARKS.md"),

@@ -11,17 +11,38 @@ and the Hugging Face name of each of its tensors, one table per architecture.
     output_norm                 model.norm
     output                      lm_head                                  (absent when tied)
 
-llama.cpp's converter interleaves the rows of each head of the query and key projections for the
-`llama` architecture (convert_hf_to_gguf.py, `LlamaModel.permute`: llama.cpp's rotary pairs adjacent
-dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back. Other
-architectures are stored as Hugging Face has them.
+Gemma 2 and 3 name their norms after where they sit: attn_norm, post_attention_norm, ffn_norm and
+post_ffw_norm are input_layernorm, post_attention_layernorm, pre_feedforward_layernorm and
+post_feedforward_layernorm. Phi-3 keeps its fused projections: attn_qkv is self_attn.qkv_proj and
+ffn_up mlp.gate_up_proj (gate rows, then up rows).
 
-An architecture not listed here or whose Hugging Face architecture import_hf does not read, or a tensor an
-architecture's table does not name, is refused by name.
+What the converter changes, undone here:
+- llama, smollm3 (converted as a Llama): the query/key rows of each head are interleaved (below).
+- gemma2, gemma3: every norm weight is stored plus 1 (Gemma's RMSNorm computes x̂·(1 + w)); 1 is
+  subtracted back. The query scale is not stored: llama.cpp takes 1/sqrt(head size), or, for the
+  27B sizes (46 layers in Gemma 2, 62 in Gemma 3), 1/sqrt(hidden / heads); query_pre_attn_scalar is
+  that choice. Windows: `<arch>.attention.sliding_window`, on the layers the per-layer
+  `<arch>.attention.sliding_window_pattern` flags (or, as an integer n, all but every n-th; by
+  default 2 for Gemma 2, 6 for Gemma 3; Gemma 2 without the key: 4096); Gemma 3's sliding layers
+  rotate with `rope.freq_base_swa` (10000 when absent), unscaled.
+- phi3: rope.dimension_count is the rotary width (partial_rotary_factor = it / head size); longrope
+  is stored as the tensors rope_factors_long/short with rope.scaling.original_context_length and
+  rope.scaling.attn_factor, and no scaling type. A sliding_window of 0 is none; another is kept as
+  transformers applies it (import_hf refuses one shorter than the context; llama.cpp ignores it).
+- smollm3: no metadata names the blocks without rotary positions; llama.cpp leaves out every 4th.
+
+llama.cpp's converter interleaves the rows of each head of the query and key projections for the
+`llama` and `smollm3` architectures (convert_hf_to_gguf.py, `LlamaModel.permute`: llama.cpp's rotary pairs
+adjacent dimensions, Hugging Face's pairs the two halves of a head); `unpermute` puts them back.
+
+An architecture not listed here or whose Hugging Face architecture import_hf does not read, a tensor an
+architecture's table does not name, or a window on an architecture whose llama.cpp graph has none
+(llama, qwen2, qwen3, smollm3: llama.cpp would attend over everything) is refused by name.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +59,22 @@ BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_output.weight
                **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}}
 BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, as the factors each frequency is divided by: a config field
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope factors: config fields
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE)  # tensors that become config.json fields, not weights
+GEMMA_BLOCK_NAMES = {**{k: v for k, v in BLOCK_NAMES.items() if not k.endswith(".bias")},
+                     "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+PHI3_BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                    "attn_output.weight": "self_attn.o_proj.weight",
+                    "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_up.weight": "mlp.gate_up_proj.weight",
+                    "ffn_down.weight": "mlp.down_proj.weight"}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's 27B sizes, whose query scale is 1/sqrt(hidden/heads)
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's default: all but every n-th layer sliding
+GEMMA2_WINDOW = 4096  # llama.cpp's Gemma 2 window when the file names none
+GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's (and Gemma 3's) sliding layers' rotary base when the file names none
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp's SmolLM3: every 4th block without rotary positions
 # <arch>.rope.scaling.* -> the Hugging Face rope scaling's field (as convert_hf_to_gguf.py writes them for yarn)
 SCALING_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
                 "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
@@ -50,14 +87,19 @@ class Architecture:
     model_type: str  # config.json's `model_type`
     permuted_qk: bool  # the converter interleaved the query/key rows of each head (LlamaModel.permute)
     block_names: dict[str, str]  # GGUF name under blk.i -> HF name under model.layers.i
+    norm_offset: float = 0.0  # what the converter added to every norm weight (Gemma's 1 of x̂·(1 + w))
+    windowed: bool = False  # llama.cpp's graph reads <arch>.attention.sliding_window
 
 
 ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM", "llama", True, BLOCK_NAMES),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", False, BLOCK_NAMES),
-    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", False, {
-        **BLOCK_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight",
-        "attn_k_norm.weight": "self_attn.k_norm.weight"}),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", False, {**BLOCK_NAMES, **QK_NORM_NAMES}),
+    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", True, BLOCK_NAMES),
+    "phi3": Architecture("Phi3ForCausalLM", "phi3", False, PHI3_BLOCK_NAMES, windowed=True),
+    "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", False, GEMMA_BLOCK_NAMES, 1.0, True),
+    "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", False, {**GEMMA_BLOCK_NAMES, **QK_NORM_NAMES},
+                           1.0, True),
 }
 
 
@@ -101,50 +143,137 @@ def hf_tensor(arch: str, name: str, w: np.ndarray, hf: dict[str, Any]) -> tuple[
             w = unpermute(w, hf["num_attention_heads"])
         elif out.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute(w, hf["num_key_value_heads"])
+    if ARCHITECTURES[arch].norm_offset and name.endswith("norm.weight"):
+        w = w - np.float32(ARCHITECTURES[arch].norm_offset)
     return out, np.ascontiguousarray(w)
 
 
 def hf_config(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
-              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+              config_tensors: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """config.json from the `<arch>.*` metadata; `tensor_shapes` (numpy order) gives the vocabulary and tying,
-    `rope_freqs` (the file's rope_freqs.weight, if any) the llama3 rope scaling."""
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise UnsupportedGGUF(f"the file has no {arch}.{name}")
-        return value
-
+    `config_tensors` (the file's CONFIG_TENSORS it has) the llama3 and longrope rope scalings."""
+    key = metadata_key(arch, meta)
+    config_tensors = config_tensors or {}
     heads, hidden = key("attention.head_count"), key("embedding_length")
     head_dim = key("attention.key_length", hidden // heads)
     rotary = key("rope.dimension_count", head_dim)
-    if rotary != head_dim:
+    if rotary != head_dim and arch != "phi3":
         raise UnsupportedGGUF(f"{arch}.rope.dimension_count {rotary} is not the head size {head_dim} (partial rotary "
-                              "positions are not supported)")
+                              "positions are read for phi3 only)")
     hf = {
         "architectures": [ARCHITECTURES[arch].hf_architecture], "model_type": ARCHITECTURES[arch].model_type,
         "vocab_size": tensor_shapes["token_embd.weight"][0], "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim, "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": key("rope.freq_base", 10000.0),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0),
         "hidden_act": "silu", "tie_word_embeddings": "output.weight" not in tensor_shapes,
     }
     if key("attention.value_length", hf["head_dim"]) != hf["head_dim"]:
         raise UnsupportedGGUF(f"{arch}.attention.value_length differs from its key_length")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        key("rope.scaling.factor")
-        hf["rope_scaling"] = {"rope_type": scaling, **{ours: meta[f"{arch}.rope.scaling.{name}"]
-                                                       for name, ours in SCALING_KEYS.items()
-                                                       if f"{arch}.rope.scaling.{name}" in meta}}
-        if meta.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
-            raise UnsupportedGGUF(f"{arch}.rope.scaling.yarn_ext_factor other than 1 is not supported")
-    elif rope_freqs is not None:
-        hf["rope_scaling"] = llama3_scaling(rope_freqs, hf["rope_theta"], head_dim)
+    if rotary != head_dim:
+        hf["partial_rotary_factor"] = rotary / head_dim
+    hf.update(rope_scaling(arch, meta, hf, config_tensors))
+    hf.update(window_fields(arch, meta, hf["num_hidden_layers"]))
+    if arch in ("gemma2", "gemma3"):
+        del hf["hidden_act"]
+        hf.update(gemma_fields(arch, meta, hf))
+    if arch == "smollm3":
+        hf["no_rope_layers"] = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(hf["num_hidden_layers"])]
     for name in ("bos", "eos"):
         if (i := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             hf[f"{name}_token_id"] = i
     return hf
+
+
+def metadata_key(arch: str, meta: dict[str, Any]):
+    """`key(name, default)`: the file's `<arch>.<name>`, or `default`; with neither, refused by name."""
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise UnsupportedGGUF(f"the file has no {arch}.{name}")
+        return value
+    return key
+
+
+def rope_scaling(arch: str, meta: dict[str, Any], hf: dict[str, Any],
+                 config_tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """{"rope_scaling": ...} as the metadata names it (linear, yarn), or as rope_freqs.weight (llama3) or
+    rope_factors_long/short (Phi-3's longrope) hold it; {} for none."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        metadata_key(arch, meta)("rope.scaling.factor")
+        if meta.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise UnsupportedGGUF(f"{arch}.rope.scaling.yarn_ext_factor other than 1 is not supported")
+        return {"rope_scaling": {"rope_type": scaling, **{ours: meta[f"{arch}.rope.scaling.{name}"]
+                                                          for name, ours in SCALING_KEYS.items()
+                                                          if f"{arch}.rope.scaling.{name}" in meta}}}
+    if ROPE_FREQS in config_tensors:
+        rotary = round(hf["head_dim"] * hf.get("partial_rotary_factor", 1.0))
+        return {"rope_scaling": llama3_scaling(config_tensors[ROPE_FREQS], hf["rope_theta"], rotary)}
+    if any(name in config_tensors for name in LONGROPE):
+        return {"rope_scaling": longrope_scaling(arch, meta, hf, config_tensors)}
+    return {}
+
+
+def longrope_scaling(arch: str, meta: dict[str, Any], hf: dict[str, Any],
+                     config_tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Phi-3's longrope from rope_factors_long/short and the original context; the attention factor the
+    converter wrote must be the one transformers derives from the two contexts."""
+    missing = [name for name in LONGROPE if name not in config_tensors]
+    if missing:
+        raise UnsupportedGGUF(f"the file has {' '.join(set(LONGROPE) - set(missing))} without {missing[0]}")
+    original = metadata_key(arch, meta)("rope.scaling.original_context_length")
+    scale = hf["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    stored = meta.get(f"{arch}.rope.scaling.attn_factor", derived)
+    if not math.isclose(stored, derived, rel_tol=1e-6):
+        raise UnsupportedGGUF(f"{arch}.rope.scaling.attn_factor {stored:g} is not the longrope factor {derived:g} "
+                              "the contexts give")
+    return {"rope_type": "longrope", "original_max_position_embeddings": original,
+            "long_factor": [float(f) for f in config_tensors[LONGROPE[0]]],
+            "short_factor": [float(f) for f in config_tensors[LONGROPE[1]]]}
+
+
+def window_fields(arch: str, meta: dict[str, Any], n_layer: int) -> dict[str, Any]:
+    """sliding_window and layer_types from `<arch>.attention.sliding_window(_pattern)`, as llama.cpp applies
+    them; {} for none. Refused on an architecture whose llama.cpp graph does not window."""
+    window = meta.get(f"{arch}.attention.sliding_window", GEMMA2_WINDOW if arch == "gemma2" else 0)
+    if not window:
+        return {}
+    if not ARCHITECTURES[arch].windowed:
+        raise UnsupportedGGUF(f"{arch}.attention.sliding_window {window} is not supported (llama.cpp's {arch} "
+                              "attends over the whole context)")
+    if arch == "phi3":  # every layer, as transformers' Phi-3 applies it
+        return {"sliding_window": window}
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise UnsupportedGGUF(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                                  f"{n_layer} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer)]
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+
+
+def gemma_fields(arch: str, meta: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's activation, query scale (llama.cpp's choice, the file stores none), softcaps and local rotary."""
+    fields = {"hidden_activation": "gelu_pytorch_tanh",
+              "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
+    big = hf["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]
+    fields["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"] if big else hf["head_dim"]
+    swa_theta = meta.get(f"{arch}.rope.freq_base_swa")
+    if arch == "gemma2":
+        fields["attn_logit_softcapping"] = meta.get(f"{arch}.attn_logit_softcapping")
+        if swa_theta is not None and swa_theta != hf["rope_theta"]:
+            raise UnsupportedGGUF(f"{arch}.rope.freq_base_swa {swa_theta:g} differs from rope.freq_base (Gemma 2 "
+                                  "has one rotary base)")
+    else:
+        fields["rope_local_base_freq"] = GEMMA3_LOCAL_THETA if swa_theta is None else swa_theta
+    return fields
 
 
 def llama3_factors(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:

@@ -60,13 +60,13 @@ def write_hf_dir(reader: GGUFReader, out: Path) -> str:
     hf_tokenizer = tokenizer.build_tokenizer(meta)
     for t in reader.tensors:  # every refusal before the first weight is dequantized
         check_kind(t)
-        if t.name != architectures.ROPE_FREQS:
+        if t.name not in architectures.CONFIG_TENSORS:
             architectures.hf_name(arch, t.name)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    rope_freqs = next((float32_tensor(t) for t in reader.tensors if t.name == architectures.ROPE_FREQS), None)
-    config = architectures.hf_config(arch, meta, shapes, rope_freqs)
+    config_tensors = {t.name: float32_tensor(t) for t in reader.tensors if t.name in architectures.CONFIG_TENSORS}
+    config = architectures.hf_config(arch, meta, shapes, config_tensors)
     tensors = dict(architectures.hf_tensor(arch, t.name, float32_tensor(t), config) for t in reader.tensors
-                   if t.name != architectures.ROPE_FREQS)
+                   if t.name not in architectures.CONFIG_TENSORS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / "model.safetensors"))

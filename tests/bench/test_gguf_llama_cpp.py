@@ -2,7 +2,9 @@
 from random Hugging Face checkpoints and quantized by its llama-quantize, imported, exported and served.
 
 - F32: the served greedy tokens are transformers' own (Llama, Qwen2, Qwen3; a llama3 rope scaling, whose
-  rope_freqs.weight becomes the config's scaling again, and yarn).
+  rope_freqs.weight becomes the config's scaling again, and yarn; Gemma 3 with its windows, Phi-3 with partial
+  rotary and longrope, SmolLM3; Gemma 2, whose converter reads a SentencePiece tokenizer.model, with one
+  trained in the converter's virtualenv).
 - Q8_0, Q4_0, Q4_K_M: imported weights are the file's numbers dequantized, so the fair comparison is with
   llama.cpp computing on those same numbers: llama-quantize turns the quantized file back into F32 (its own
   dequantization), and llama-server's greedy tokens on that file must equal ours exactly. Against llama.cpp's
@@ -40,7 +42,7 @@ from service.engine.core import Engine  # noqa: E402
 from service.runtime.tokenizer import Tokenizer  # noqa: E402
 from tests.engine.harness import drive, greedy  # noqa: E402
 from tests.model.gguf_files import byte_level_fields, sentencepiece_fields, write_gguf  # noqa: E402
-from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
+from tests.model.hf_models import greedy_hf, greedy_hf_cached, save_random  # noqa: E402
 
 NOT_BUILT = llama_cpp.available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NOT_BUILT is not None, reason=f"{NOT_BUILT}")]
@@ -113,6 +115,39 @@ def family(request, tiny_tokenizer, tmp_path_factory):
     return request.param, hf, root, llama_cpp.convert(root / "hf", root, "f32")
 
 
+# what each family's converter keeps: Gemma's query scale as llama.cpp takes it (1/sqrt(head size)) and its
+# layer pattern as llama.cpp's default (every 6th layer full; the converter writes none), SmolLM3's blocks without
+# rotary positions where llama.cpp has them (every 4th); Phi-3's converter reads a GPT2Tokenizer's vocabulary
+CONVERTED = {"gemma2": dict(query_pre_attn_scalar=16),
+             "gemma3": dict(query_pre_attn_scalar=32, sliding_window_pattern=6), "phi3": {},
+             "phi4-mini-longrope": {}, "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])}
+
+
+def add_sentencepiece_model(hf_dir: Path, texts: list[str]) -> None:
+    """A SentencePiece tokenizer.model learnt on `texts` (byte fallback), trained by the converter's own
+    virtualenv, which has sentencepiece."""
+    (hf_dir / "texts.txt").write_text("\n".join(texts))
+    train = ("import sentencepiece as spm, sys; spm.SentencePieceTrainer.train(input=sys.argv[1], "
+             "model_prefix=sys.argv[2], vocab_size=300, model_type='bpe', byte_fallback=True, hard_vocab_limit=False)")
+    run([str(llama_cpp.CONVERTER_PYTHON), "-c", train, str(hf_dir / "texts.txt"), str(hf_dir / "tokenizer")],
+        hf_dir / "sentencepiece.log")
+
+
+@pytest.fixture(scope="module", params=list(CONVERTED))
+def newer_family(request, tiny_tokenizer, tmp_path_factory):
+    """(family, transformers model, work folder, the converter's F32 GGUF) of the Gemma 2/3, Phi-3 and SmolLM3
+    families."""
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    hf = save_random(root / "hf", tiny_tokenizer, request.param, **CONVERTED[request.param])
+    if request.param == "gemma2":  # its converter reads the vocabulary from a SentencePiece model only
+        add_sentencepiece_model(root / "hf", TEXTS[:2] * 4)  # ASCII: 256 bytes and its letters fit in 300
+    eos = tiny_tokenizer.hf.id_to_token(tiny_tokenizer.eos_id)
+    tokenizer_class = "GPT2Tokenizer" if request.param.startswith("phi") else "PreTrainedTokenizerFast"
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "bos_token": eos, "eos_token": eos, "chat_template": TEMPLATE}))
+    return request.param, hf, root, llama_cpp.convert(root / "hf", root, "f32")
+
+
 def imported_bundle(gguf_file: Path, root: Path) -> tuple[Path, Path]:
     name = gguf_file.stem
     import_gguf(gguf_file, root / f"{name}-model")
@@ -125,6 +160,19 @@ def test_an_f32_gguf_is_served_as_transformers_generates(family):
     model_dir, bundle = imported_bundle(f32, root)
     assert served_greedy(bundle, PROMPTS, NEW_TOKENS) == [greedy_hf(hf, p, NEW_TOKENS) for p in PROMPTS]
     assert json.loads((bundle / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+
+
+def test_an_f32_gguf_of_the_newer_families_is_served_as_transformers_generates(newer_family):
+    """Prompts and continuations cross Gemma's windows of 8 and the longrope original context of 32 (where a
+    cached generation keeps the keys it rotated with the short factors, as transformers' cached one does)."""
+    name, hf, root, f32 = newer_family
+    model_dir, bundle = imported_bundle(f32, root)
+    c, _ = load_model_dir(model_dir)
+    assert (c.config.sliding_window, c.config.no_rotary_layers, c.config.rotary_dim) == {
+        "gemma2": (8, None, 16), "gemma3": (8, None, 32), "phi3": (None, None, 12), "phi4-mini-longrope": (None, None, 12),
+        "smollm3": (None, [3], 16)}[name]
+    reference = greedy_hf_cached if "longrope" in name else greedy_hf
+    assert served_greedy(bundle, PROMPTS, NEW_TOKENS) == [reference(hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k_m"])

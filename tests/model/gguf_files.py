@@ -1,6 +1,8 @@
 """GGUF files written in the test with `gguf.GGUFWriter`, as llama.cpp's converter writes them: a Hugging Face
-checkpoint's tensors under the names gguf's own `TensorNameMap` gives them (the `llama` architecture's query
-and key rows permuted as convert_hf_to_gguf.py's `LlamaModel.permute` does), and tokenizer metadata."""
+checkpoint's tensors under the names gguf's own `TensorNameMap` gives them (the `llama` and `smollm3` query
+and key rows permuted as convert_hf_to_gguf.py's `LlamaModel.permute` does, Gemma's norm weights plus 1, Phi-3's
+longrope factors as rope_factors_long/short), its hyperparameters under the converter's metadata keys, and
+tokenizer metadata."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from safetensors.numpy import load_file
 from service.runtime.tokenizer import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+PERMUTED = ("llama", "smollm3")  # converted by LlamaModel, which permutes the query/key rows
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -94,6 +97,45 @@ def add_tokenizer(w: gguf.GGUFWriter, fields: dict) -> None:
             w.add_string(f"tokenizer.ggml.{key}", value)
 
 
+def rope_of(config: dict) -> dict:
+    """The rope parameters of a config.json (Gemma 3's of its full-attention layers)."""
+    rope = config.get("rope_parameters") or {}
+    return rope.get("full_attention", rope)
+
+
+def add_arch_hparams(w: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """What the converter writes beyond the common keys for Gemma 2/3 and Phi-3 (their windows, softcaps, local
+    rotary base, partial rotary and longrope); Gemma 3's layer pattern as a per-layer flag array."""
+    if arch in ("gemma2", "gemma3"):
+        if config.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(config["final_logit_softcapping"])
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+        w.add_rope_freq_base_swa(config["rope_parameters"]["sliding_attention"]["rope_theta"])
+    if arch == "phi3":
+        rope = rope_of(config)
+        w.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            original = rope["original_max_position_embeddings"]
+            w.add_rope_scaling_orig_ctx_len(original)
+            scale = config["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+
+
+def converted_tensors(arch: str, config: dict, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`tensors` (HF names) as the converter changes them: Gemma's norms plus 1, Phi-3's longrope factors added."""
+    out = {n: t + np.float32(1) if arch.startswith("gemma") and n.endswith("norm.weight") else t
+           for n, t in tensors.items()}
+    rope = rope_of(config)
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
+    return out
+
+
 def add_hparams(w: gguf.GGUFWriter, config: dict) -> None:
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -102,10 +144,11 @@ def add_hparams(w: gguf.GGUFWriter, config: dict) -> None:
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {}
+    rope = rope_of(config)
     w.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    w.add_rope_dimension_count(head_dim)
+    rotary_fraction = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(rotary_fraction * head_dim))
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -125,13 +168,14 @@ def write_gguf(path: Path, arch: str, tokenizer_fields: dict, config: dict | Non
                             num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0)
     w = gguf.GGUFWriter(str(path), arch)
     add_hparams(w, config)
+    add_arch_hparams(w, arch, config)
     add_tokenizer(w, tokenizer_fields)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
-    for name, t in (tensors or {}).items():
+    for name, t in converted_tensors(arch, config, tensors or {}).items():
         t = np.ascontiguousarray(t, dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute(t, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute(t, config["num_key_value_heads"])
         ours = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if ours is None:  # a tensor of the test's own making: its name is kept

@@ -29,7 +29,7 @@ from tests.model.gguf_files import (  # noqa: E402
     permute,
     write_gguf,
 )
-from tests.model.hf_models import greedy_hf, save_random  # noqa: E402
+from tests.model.hf_models import greedy_hf, greedy_hf_cached, save_random  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 MIXED_TEXTS = ["Rom.\nBut soft, what light through yonder window breaks?", "  It's the east -- 1234567 tomorrow!\n\n",
@@ -51,11 +51,13 @@ def test_unpermute_undoes_the_converters_permute(n_head):
         np.testing.assert_array_equal(architectures.unpermute(permuted, n_head), w)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3"])
 def test_every_tensor_name_maps_back_to_its_hugging_face_name(arch):
     """gguf's TensorNameMap (what the converter names a tensor) and our table agree both ways."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 3)
-    hf = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    hf = ["model.embed_tokens.weight", "model.norm.weight"]
+    if gguf.MODEL_TENSOR.OUTPUT in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]:  # Gemma 2: always tied
+        hf.append("lm_head.weight")
     hf += [f"model.layers.2.{n}" for n in architectures.ARCHITECTURES[arch].block_names.values()]
     for name in hf:
         ours = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -96,6 +98,93 @@ def test_head_width_norms_and_rope_scalings_import_to_transformers_logits(tiny_t
     ids = torch.tensor([list(range(3, 120))])  # past the original context of the scaled ones
     with torch.no_grad():
         assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+# (family, GGUF architecture, overrides): Gemma's query scale as llama.cpp takes it (1/sqrt(head size)), SmolLM3's
+# blocks without rotary positions where llama.cpp has them (every 4th)
+CONVERTED_FAMILIES = [
+    ("gemma2", "gemma2", dict(query_pre_attn_scalar=16)),
+    ("gemma3", "gemma3", dict(query_pre_attn_scalar=32)),
+    ("phi3", "phi3", {}),
+    ("phi4-mini-longrope", "phi3", {}),
+    ("smollm3", "smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])),
+]
+
+
+@pytest.mark.parametrize("family,arch,overrides", CONVERTED_FAMILIES, ids=[f[0] for f in CONVERTED_FAMILIES])
+def test_gemma_phi3_and_smollm3_ggufs_import_to_transformers_logits(tiny_tokenizer, tmp_path, family, arch,
+                                                                     overrides):
+    """Gemma's +1 norms, windows, softcaps and local rotary base; Phi-3's fused projections, partial rotary and
+    longrope factor tensors; SmolLM3's blocks without rotary positions; generation past the windows of 8 and
+    the longrope original context of 32."""
+    hf = save_random(tmp_path / "hf", tiny_tokenizer, family, **overrides)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    path = write_gguf(tmp_path / "m.gguf", arch, byte_level_fields(tiny_tokenizer), config,
+                      checkpoint_tensors(tmp_path / "hf"))
+    import_gguf(path, tmp_path / "ours")
+    ours, _ = load_model_dir(tmp_path / "ours")
+    c = ours.config
+    assert (c.sliding_window, c.layer_types) == (config.get("sliding_window") if arch.startswith("gemma") else None,
+                                                 config.get("layer_types") if arch.startswith("gemma") else None)
+    assert c.no_rotary_layers == ([3] if arch == "smollm3" else None)
+    # transformers rotates every position of a call past longrope's original context with the long factors
+    ids = torch.tensor([list(range(3, 35 if "longrope" in family else 120))])
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    prompt = ids[0, :6].tolist()
+    # past longrope's switch, a cached generation keeps the keys it rotated with the short factors, as ours does
+    reference = greedy_hf_cached if "longrope" in family else greedy_hf
+    assert generate(ours, [prompt], 32, temperature=0.0)[0] == reference(hf, prompt, 32)
+
+
+def gguf_meta(arch: str, **keys) -> dict:
+    """The `<arch>.*` metadata of a tiny model with `keys` (under `<arch>.`) added."""
+    base = {"block_count": 3, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+            "attention.head_count": 2, "attention.layer_norm_rms_epsilon": 1e-6}
+    return {f"{arch}.{k}": v for k, v in {**base, **keys}.items()}
+
+
+def test_windows_follow_the_files_pattern_and_llama_cpps_defaults():
+    shapes = {"token_embd.weight": (50, 32)}
+    sliding, full = "sliding_attention", "full_attention"
+    config = architectures.hf_config("gemma3", gguf_meta("gemma3", **{"attention.sliding_window": 8}), shapes)
+    assert (config["sliding_window"], config["layer_types"]) == (8, [sliding] * 3)  # all but every 6th
+    assert config["rope_local_base_freq"] == 10000.0 and config["query_pre_attn_scalar"] == 16
+    config = architectures.hf_config("gemma3", gguf_meta("gemma3", **{
+        "attention.sliding_window": 8, "attention.sliding_window_pattern": [False, True, False]}), shapes)
+    assert config["layer_types"] == [full, sliding, full]
+    config = architectures.hf_config("gemma2", gguf_meta("gemma2"), shapes)  # llama.cpp's window when none is set
+    assert (config["sliding_window"], config["layer_types"]) == (4096, [sliding, full, sliding])
+    assert "sliding_window" not in architectures.hf_config("gemma3", gguf_meta("gemma3"), shapes)
+    assert "sliding_window" not in architectures.hf_config(
+        "phi3", gguf_meta("phi3", **{"attention.sliding_window": 0}), shapes)
+
+
+@pytest.mark.parametrize("arch,keys,message", [
+    ("llama", {"attention.sliding_window": 8}, "llama.attention.sliding_window 8 is not supported"),
+    ("qwen2", {"attention.sliding_window": 8}, "qwen2.attention.sliding_window 8 is not supported"),
+    ("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": [True, False]},
+     "gemma3.attention.sliding_window_pattern has 2 entries for 3 layers"),
+    ("gemma2", {"rope.freq_base_swa": 500.0}, "gemma2.rope.freq_base_swa 500 differs from rope.freq_base"),
+    ("llama", {"rope.dimension_count": 8}, "llama.rope.dimension_count 8 is not the head size 16"),
+])
+def test_options_the_import_cannot_reproduce_are_refused_by_name(arch, keys, message):
+    with pytest.raises(architectures.UnsupportedGGUF, match=message):
+        architectures.hf_config(arch, gguf_meta(arch, **keys), {"token_embd.weight": (50, 32)})
+
+
+def test_phi3_longrope_needs_both_factor_tensors_and_the_attention_factor_transformers_derives():
+    meta = gguf_meta("phi3", **{"rope.scaling.original_context_length": 16, "rope.dimension_count": 16})
+    factors = {name: np.ones(8, np.float32) for name in architectures.LONGROPE}
+    config = architectures.hf_config("phi3", meta, {"token_embd.weight": (50, 32)}, factors)
+    assert config["rope_scaling"]["rope_type"] == "longrope"
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 16
+    with pytest.raises(architectures.UnsupportedGGUF, match="without rope_factors_short.weight"):
+        architectures.hf_config("phi3", meta, {"token_embd.weight": (50, 32)},
+                                {architectures.LONGROPE[0]: factors[architectures.LONGROPE[0]]})
+    with pytest.raises(architectures.UnsupportedGGUF, match="phi3.rope.scaling.attn_factor 2 is not the longrope"):
+        architectures.hf_config("phi3", {**meta, "phi3.rope.scaling.attn_factor": 2.0},
+                                {"token_embd.weight": (50, 32)}, factors)
 
 
 @pytest.mark.parametrize("scaling", [
