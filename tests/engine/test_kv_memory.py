@@ -47,8 +47,9 @@ def test_sampled_and_forked_requests_beside_preemption(make_engine, engine_model
     that is preempted keeps its distribution's draws (its seed decides each token, as alone)."""
     rng = np.random.default_rng(5)
     reqs = [sampled("fam", random_prompt(rng, 20), 40, seed=1, n=2, temperature=0.8, stopping=dict(ignore_eos=True))]
-    reqs += [sampled(f"s{i}", random_prompt(rng, 30), 70, seed=i, temperature=0.9, stopping=dict(ignore_eos=True))
-             for i in range(4)]
+    # four sequences of nearly a context each, beside the family's 120 positions, in a cache of three contexts
+    reqs += [sampled(f"s{i}", random_prompt(rng, 30), engine_model.n_ctx - 58, seed=i, temperature=0.9,
+                     stopping=dict(ignore_eos=True)) for i in range(4)]
     engine = small_cache(make_engine, 3, max_running=8, prefix_caching=False)
     run = drive(engine, reqs, before_step=lambda e, step, run: check_blocks(e))
     assert not run.errors and engine.stats().preemptions > 0
