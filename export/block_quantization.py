@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from export.external_data import DataFile, array_of
-
-MS_DOMAIN = "com.microsoft"
+from export.weight_matmuls import MS_DOMAIN, rewrite_weight_matmuls
 
 
 def pack_blocks(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,28 +45,15 @@ def quantize_blocks(model: onnx.ModelProto, graph_dir: Path, data: DataFile, bit
                     accuracy_level: int) -> onnx.ModelProto:
     """`model` with every MatMul on a 2-D fp32 initializer as MatMulNBits; weights read from `graph_dir`,
     the packed ones written to `data`."""
-    graph = model.graph
-    weights = {t.name: t for t in graph.initializer}
-    nodes, replaced = [], set()
-    for node in graph.node:
-        w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
-            nodes.append(node)
-            continue
+    level = {"accuracy_level": accuracy_level} if accuracy_level else {}
+
+    def rewrite(node: onnx.NodeProto, w: onnx.TensorProto) -> list[onnx.NodeProto]:
         packed, scales = pack_blocks(array_of(w, graph_dir), bits, block_size)
         q, s = data.tensor(packed, f"{w.name}_Q{bits}"), data.tensor(scales, f"{w.name}_scales")
-        graph.initializer.extend([q, s])
-        level = {"accuracy_level": accuracy_level} if accuracy_level else {}
-        nodes.append(helper.make_node("MatMulNBits", [node.input[0], q.name, s.name], list(node.output),
-                                      name=f"{node.name}_Q{bits}" if node.name else "", domain=MS_DOMAIN,
-                                      K=int(w.dims[0]), N=int(w.dims[1]), bits=bits, block_size=block_size, **level))
-        replaced.add(w.name)
-    still_used = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return model
+        model.graph.initializer.extend([q, s])
+        return [helper.make_node("MatMulNBits", [node.input[0], q.name, s.name], list(node.output),
+                                 name=f"{node.name}_Q{bits}" if node.name else "", domain=MS_DOMAIN,
+                                 K=int(w.dims[0]), N=int(w.dims[1]), bits=bits, block_size=block_size, **level)]
+
+    return rewrite_weight_matmuls(model, rewrite)
+

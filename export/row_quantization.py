@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from export.external_data import DataFile, array_of
+from export.weight_matmuls import MS_DOMAIN, rewrite_weight_matmuls
 
-MS_DOMAIN = "com.microsoft"
 WEIGHT_MAX = 64  # 7-bit weights: u8 x s8 pair sums fit 16 bits on AVX2 without VNNI
 ACTIVATION_MAX = 127  # a row's largest |value| maps to 127 steps from the zero point 128
 ZERO_POINT = 128
@@ -49,27 +49,12 @@ def quantize_rows(model: onnx.ModelProto, graph_dir: Path | None = None, data: D
                   ) -> onnx.ModelProto:
     """`model` with every MatMul whose second input is a 2-D fp32 initializer rewritten as above. Weights in
     a data file are read from `graph_dir`; the quantized ones go to `data` (None: inside the graph)."""
-    graph = model.graph
     make = data.tensor if data else numpy_helper.from_array
-    weights = {t.name: t for t in graph.initializer}
     shared = {"rowq_step": np.array(1 / ACTIVATION_MAX, np.float32),
               "rowq_zero_point": np.array(ZERO_POINT, np.uint8)}
-    nodes, replaced = [], set()
-    for node in graph.node:
-        w = weights.get(node.input[1]) if node.op_type == "MatMul" else None
-        if w is None or len(w.dims) != 2 or w.data_type != TensorProto.FLOAT:
-            nodes.append(node)
-            continue
-        nodes += _row_quantized_matmul(node, graph, array_of(w, graph_dir or Path(".")), make)
-        replaced.add(w.name)
-    still_used = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + [numpy_helper.from_array(v, k) for k, v in shared.items()])
-    del graph.node[:]
-    graph.node.extend(nodes)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    model = rewrite_weight_matmuls(model, lambda node, w: _row_quantized_matmul(
+        node, model.graph, array_of(w, graph_dir or Path(".")), make))
+    model.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in shared.items())
     return model
 
 
