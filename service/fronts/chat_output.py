@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from service.fronts.reasoning import ReasoningParser, ReasoningStream, opens_reasoning, template_reasons
 from service.fronts.tool_calls import ParsedMessage, ToolCallParser, ToolUse
+from service.fronts.tool_formats.base import read_whole
 
 
 def output_reader(template_source: str, prompt: str, tools: ToolUse | None, constrained: bool) -> OutputReader | None:
@@ -38,10 +39,7 @@ class OutputReader:
         return OutputStream(self)
 
     def parse(self, text: str) -> ParsedMessage:
-        stream = self.stream()
-        message = stream.feed(text)
-        message.extend(stream.finish())
-        return message
+        return read_whole(self.stream(), text)
 
 
 class OutputStream:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from service.fronts.tool_formats.base import ParsedMessage, partial_tag
+from service.fronts.tool_formats.base import ParsedMessage, partial_tag, read_whole
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -46,10 +46,7 @@ class ReasoningParser:
         return ReasoningStream(self.inside)
 
     def parse(self, text: str) -> ParsedMessage:
-        stream = self.stream()
-        message = stream.feed(text)
-        message.extend(stream.finish())
-        return message
+        return read_whole(self.stream(), text)
 
 
 class ReasoningStream:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from service.fronts.tool_formats import pythonic
-from service.fronts.tool_formats.base import ParsedMessage, ToolCall
+from service.fronts.tool_formats.base import ParsedMessage, ToolCall, read_whole
 from service.fronts.tool_formats.hermes import CLOSE as HERMES_CLOSE
 from service.fronts.tool_formats.hermes import OPEN as HERMES_OPEN
 from service.fronts.tool_formats.hermes import HermesStream
@@ -79,10 +79,7 @@ class ToolCallParser:
         return STREAMS[self.format](self.tool_names)
 
     def parse(self, text: str) -> ParsedMessage:
-        stream = self.stream()
-        message = stream.feed(text)
-        message.extend(stream.finish())
-        return message
+        return read_whole(self.stream(), text)
 
 
 def closed(schema: Any) -> Any:

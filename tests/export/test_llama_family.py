@@ -96,6 +96,17 @@ def test_every_family_bundle_passes_the_start_up_batch_invariance_probe(family_b
         assert result.invariance.batch > 1
 
 
+def assert_graphs_equal_pytorch(model, tokenizer, tmp_path, inside: bool) -> None:
+    """`model` saved and exported: its static graph, rotating inside GroupQueryAttention (`inside`) or in
+    RotaryEmbedding ops, and its standard graph equal PyTorch, and the static one is batch-invariant."""
+    save_model_dir(model, tokenizer, tmp_path / "model")
+    export_bundle(tmp_path / "model", tmp_path / "bundle", name="options")
+    export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
+    assert verify_static(model, tmp_path / "bundle", "static").passed
+    assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed
+    assert check(StaticRunner(tmp_path / "bundle", "static", provider="cpu")).invariance.identical
+
+
 @pytest.mark.parametrize("inside", [True, False], ids=["rotary-in-attention", "rotary-ops"])
 def test_every_head_option_at_once_in_both_rotary_placements(tiny_tokenizer, tmp_path, inside):
     """Query/key norms, a head width of its own (64 on a 32 wide stream), rotary on 48 of each head's 64
@@ -105,12 +116,7 @@ def test_every_head_option_at_once_in_both_rotary_placements(tiny_tokenizer, tmp
     model = make_lively(vocab_size=tiny_tokenizer.vocab_size, n_ctx=128, n_layer=3, n_head=2, n_kv_head=1,
                         d_model=32, head_dim=64, qk_norm=True, rotary_fraction=0.75, no_rotary_layers=[1],
                         pos_encoding="rotary", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=48, tie_embeddings=False)
-    save_model_dir(model, tiny_tokenizer, tmp_path / "model")
-    export_bundle(tmp_path / "model", tmp_path / "bundle", name="heads")
-    export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
-    assert verify_static(model, tmp_path / "bundle", "static").passed
-    assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed
-    assert check(StaticRunner(tmp_path / "bundle", "static", provider="cpu")).invariance.identical
+    assert_graphs_equal_pytorch(model, tiny_tokenizer, tmp_path, inside)
 
 
 def test_chunked_prefills_beside_decodes_across_the_window_equal_transformers(family_bundle):
@@ -140,9 +146,4 @@ def test_every_gemma_option_at_once_in_both_rotary_placements(tiny_tokenizer, tm
                         rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
                         rope_local_theta=10_000.0, post_norms=True, scale_embeddings=True, attn_scale=24 ** -0.5,
                         attn_softcap=2.0, final_softcap=10.0)
-    save_model_dir(model, tiny_tokenizer, tmp_path / "model")
-    export_bundle(tmp_path / "model", tmp_path / "bundle", name="gemma")
-    export_static_cache_decoder(model, tmp_path / "bundle" / "model.static.onnx", rotary_in_attention=inside)
-    assert verify_static(model, tmp_path / "bundle", "static").passed
-    assert verify(model, ConcatRunner(tmp_path / "bundle", graph="fp32", provider="cpu")).passed
-    assert check(StaticRunner(tmp_path / "bundle", "static", provider="cpu")).invariance.identical
+    assert_graphs_equal_pytorch(model, tiny_tokenizer, tmp_path, inside)

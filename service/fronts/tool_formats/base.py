@@ -36,6 +36,14 @@ class ParsedMessage:
         self.calls.extend(other.calls)
 
 
+def read_whole(stream, text: str) -> ParsedMessage:
+    """`text` read through `stream` (anything with `feed` and `finish`) as one piece, then its end: what the
+    pieces of that text streamed one by one add up to."""
+    message = stream.feed(text)
+    message.extend(stream.finish())
+    return message
+
+
 def partial_tag(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that begins `tag` (and is not all of it): what a stream
     holds back, since the tag may be completed by the next piece."""
