@@ -21,6 +21,7 @@ from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, optimize,
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
 from model.config import GPTConfig
 from service.runtime.bundle import (
+    LOGITS_INDEX,
     TOKENIZER_EXTRAS,
     GraphSpec,
     KvDtype,
@@ -74,7 +75,9 @@ def kv_variant(variant: str, kv_dtype: KvDtype) -> str:
 
 
 
-def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
+def static_graph_spec(variant: str, n_layer: int, logits_index: bool = True) -> GraphSpec:
+    """A static serving graph's contract; `logits_index=False`: an encoder-decoder's decoder, whose logits cover
+    every position of the call."""
     in_names, out_names = static_io_names(n_layer)
     kv = ["batch", "kv_heads", "max_seq", "d_head"]
     inputs = [TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
@@ -83,7 +86,10 @@ def static_graph_spec(variant: str, n_layer: int) -> GraphSpec:
               TensorSpec(name="total_sequence_length", dtype="int32", shape=[])]
     graph, cache = KV_TWINS.get(variant, (variant, "float32"))
     inputs += [TensorSpec(name=n, dtype=cache, shape=kv) for n in in_names[4:]]
-    outputs = [TensorSpec(name="logits", dtype="float32", shape=["batch", "seq", "vocab"])]
+    if logits_index:
+        inputs.append(TensorSpec(name=LOGITS_INDEX, dtype="int64", shape=["batch", "logits_seq"]))
+    outputs = [TensorSpec(name="logits", dtype="float32", shape=["batch", "logits_seq" if logits_index else "seq",
+                                                                   "vocab"])]
     outputs += [TensorSpec(name=n, dtype=cache, shape=kv) for n in out_names[1:]]
     return GraphSpec(file=GRAPH_FILES[variant], cache="static", dtype="float32",
                      weights=WEIGHTS.get(graph, "float32"), description=DESCRIPTIONS[variant],

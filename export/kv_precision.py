@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from export.external_data import array_of
-from service.runtime.bundle import KvDtype
+from service.runtime.bundle import LOGITS_INDEX, KvDtype
 from service.runtime.probes import sample_tokens
 
 ELEMENT_TYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
@@ -154,6 +154,7 @@ def kv_scales(static: Path, n_layer: int, tokens: int, start_id: int, vocab: int
 
     session = ort.InferenceSession(str(static), providers=["CPUExecutionProvider"])
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    reads_index = any(i.name == LOGITS_INDEX for i in session.get_inputs())
     heads, d_head = past[0].shape[1], past[0].shape[3]
     cache = [np.zeros((rows, heads, tokens, d_head), np.float32) for _ in past]
     rng = np.random.default_rng(seed)
@@ -164,6 +165,8 @@ def kv_scales(static: Path, n_layer: int, tokens: int, start_id: int, vocab: int
         binding.bind_cpu_input("position_ids", np.full((rows, 1), t, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", np.full(rows, t, dtype=np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(t + 1, dtype=np.int32))
+        if reads_index:
+            binding.bind_cpu_input(LOGITS_INDEX, np.zeros((rows, 1), dtype=np.int64))
         binding.bind_output("logits", "cpu")
         for spec, buf in zip(past, cache, strict=True):
             value = ort.OrtValue.ortvalue_from_numpy(buf)

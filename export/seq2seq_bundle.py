@@ -52,7 +52,7 @@ def encoder_spec(n_layer: int, file: str = ENCODER_FILE, weights: WeightPrecisio
 
 def decoder_spec(n_layer: int, file: str = DECODER_FILE, weights: WeightPrecision = "float32") -> GraphSpec:
     """The static serving graph's inputs and outputs, with the cross state after its cache."""
-    spec = static_graph_spec("static", n_layer)
+    spec = static_graph_spec("static", n_layer, logits_index=False)
     spec.inputs += [TensorSpec(name=n, dtype="float32", shape=["batch", "heads", "max_src", "d_head"])
                     for n in cross_kv_names(n_layer)]
     spec.inputs.append(TensorSpec(name="encoder_attention_mask", dtype="int64", shape=["batch", "max_src"]))

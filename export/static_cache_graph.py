@@ -24,13 +24,16 @@ a Mul and its soft-capped logits Div, Tanh, Mul:
              seqlens_k              int32 [batch]       each row's length after this step, minus 1
              total_sequence_length  int32 []            max(seqlens_k) + 1
              past_key_values.{i}.key / .value   float [batch, kv_heads, max_seq, d_head]
-    outputs  logits                 float [batch, seq, vocab]
+             logits_index           int64 [batch, logits_seq]   the positions (0 ... seq - 1) to compute logits at
+    outputs  logits                 float [batch, logits_seq, vocab]
              present.{i}.key / .value           float [batch, kv_heads, max_seq, d_head]
 
 Each row's tokens sit at the start of its slot; a step writes its `seq` new keys and values at
 positions seqlens_k + 1 - seq ... seqlens_k. When past and present are bound to the same buffer
 (IO binding), the kernel writes only the new positions and reads only each row's live prefix, so
-a step costs the same whatever max_seq is (docs/engine.md has the measurements).
+a step costs the same whatever max_seq is (docs/engine.md has the measurements). The head runs only at
+`logits_index`: a prompt's last position (0 for a decode row), or every position where a prompt is scored or
+drafts verified; the other positions' logits are never computed (docs/engine.md "Logits where they are read").
 
 `export_static_cache_decoder` writes each weight to the graph's data file as it is made
 (`export/external_data.py`), so the graph is built with no second copy of the model's weights.
@@ -49,7 +52,7 @@ from onnx import TensorProto, helper, numpy_helper
 from export.external_data import DataFile
 from model.gpt import GPT
 from model.rotary import rotary_cos_sin
-from service.runtime.bundle import static_io_names
+from service.runtime.bundle import LOGITS_INDEX, static_io_names
 
 STATIC_OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -239,6 +242,9 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
         # x += f + b_2; h = the next norm (ln_1 of the next block, or ln_f), in one pass
         ln = f"blocks.{i + 1}.ln_1" if i + 1 < c.n_layer else "ln_f"
         h, x = b.skip_norm(f, x, ffn_bias, ln, rms, eps, f"h_{i + 1}", f"x_{i + 1}")
+    # the final hidden states of the positions asked for: [batch, logits_seq, d]
+    read = b.node("Unsqueeze", [LOGITS_INDEX, b.const("last_axis", np.array([-1], np.int64))], ["logits_index_nd"])
+    h = b.node("GatherND", [h, read], ["h_read"], batch_dims=1)
     head = weights["tok_emb.weight"] if c.tie_embeddings else weights["lm_head.weight"]
     logits = "logits_raw" if c.final_softcap else "logits"
     b.node("MatMul", [h, b.const("lm_head.weight_t", head.T)], [logits])
@@ -253,7 +259,8 @@ def build_static_cache_graph(model: GPT, rotary_in_attention: bool | None = None
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in in_names[4:]]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", c.vocab_size])]
+    inputs.append(helper.make_tensor_value_info(LOGITS_INDEX, TensorProto.INT64, ["batch", "logits_seq"]))
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "logits_seq", c.vocab_size])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in out_names[1:]]
     graph = helper.make_graph(b.nodes, "attnserve_static_cache_decoder", inputs, outputs, b.initializers)
     opsets = [helper.make_opsetid("", STATIC_OPSET), helper.make_opsetid(MS_DOMAIN, 1)]

@@ -51,7 +51,7 @@ def verify_cost(bundle: Path, rounds: int) -> dict:
                     _median_ms(lambda n=n: runner.decode(zeros[n], zeros[n] + 8), 3))
             for k in KS:
                 samples.setdefault(("verify", k), []).append(
-                    _median_ms(lambda k=k: runner.prefill(0, [1] * (k + 1), 8), 3))
+                    _median_ms(lambda k=k: runner.prefill(0, [1] * (k + 1), 8, every_position=True), 3))
     for (kind, x), v in samples.items():
         out[f"{kind}_ms"][str(x)] = statistics.median(v)
     return out

@@ -94,8 +94,8 @@ class RunStep:
         first = work.seqs[0].slot
         states = [seq.request_state for seq in work.seqs]
         scoring = any(state.prompt_logprobs is not None for state in states)
-        if work.start > 0:  # a chunk: every position's logits, [1, chunk, vocab]
-            logits = self.runner.prefill(first, work.chunks[0], work.start)[None]
+        if work.start > 0:  # a chunk: its last position's logits [1, vocab], or every position's [1, chunk, vocab]
+            logits = self.runner.prefill(first, work.chunks[0], work.start, every_position=scoring)[None]
         elif scoring:  # prompts, one scored: every position's, [k, longest, vocab]
             logits = self.runner.prefill_batch(first, work.chunks, every_position=True)
         else:  # prompts: the last positions', [k, vocab]

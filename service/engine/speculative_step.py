@@ -90,8 +90,10 @@ class SpeculativeStep:
         for n in sorted({min(2 ** i, widest) for i in range(widest.bit_length() + 1)}):
             zeros = np.zeros(n, dtype=np.int64)
             self.decode_seconds[n] = _median_seconds(lambda: runner.decode(zeros, zeros))  # noqa: B023
-        self.verify_seconds = np.array([0.0] + [_median_seconds(lambda: runner.prefill(0, [0] * s, 0))  # noqa: B023
-                                                for s in range(2, self.max_tokens + 2)])
+        def verification(s: int) -> float:
+            return _median_seconds(lambda: runner.prefill(0, [0] * s, 0, every_position=True))
+
+        self.verify_seconds = np.array([0.0] + [verification(s) for s in range(2, self.max_tokens + 2)])
         log.info("speculative decoding: a decode at 1 row takes %.2f ms, a verification of 2 .. %d tokens %s ms "
                  "(measured in %.1f s)", self.decode_seconds[1] * 1e3, self.max_tokens + 1,
                  " ".join(f"{t * 1e3:.2f}" for t in self.verify_seconds[1:]), time.perf_counter() - started)
@@ -195,7 +197,8 @@ class SpeculativeStep:
         """Feed each drafting row's pending token (`ids[row]`, at `starts[row]`) and its drafts in a call of its own,
         which writes their keys and values in place. Returns row -> the logits of every position fed
         [k + 1, vocab]. The row's length then advances by the drafts kept, plus one (the output step)."""
-        return {i: self.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i])) for i, d in drafts.items()}
+        return {i: self.runner.prefill(decode[i].slot, [int(ids[i]), *d], int(starts[i]), every_position=True)
+                for i, d in drafts.items()}
 
 
 def _median_seconds(call, rounds: int = CALIBRATION_ROUNDS) -> float:

@@ -168,8 +168,14 @@ def decoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
 
 
 def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
-    """The static-cache decoder's names (onnxruntime-genai's GroupQueryAttention inputs)."""
+    """The static-cache decoder's names (onnxruntime-genai's GroupQueryAttention inputs). A decoder-only graph
+    also takes `LOGITS_INDEX` after them (bundles exported before it do not)."""
     return _with_cache(["input_ids", "position_ids", "seqlens_k", "total_sequence_length"], n_layer)
+
+
+# the positions of each row whose logits a static decoder-only graph computes, int64 [batch, logits_seq]: the
+# output is [batch, logits_seq, vocab], and the head (a vocabulary-wide MatMul) runs on those positions alone
+LOGITS_INDEX = "logits_index"
 
 
 def _with_cache(inputs: list[str], n_layer: int) -> tuple[list[str], list[str]]:
@@ -205,10 +211,16 @@ def encoder_io_names(n_layer: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "attention_mask"], cross_kv_names(n_layer)
 
 
-def graph_io_names(cache: CacheLayout, n_layer: int, kind: ModelKind = "decoder") -> tuple[list[str], list[str]]:
+def graph_io_names(cache: CacheLayout, n_layer: int, kind: ModelKind = "decoder",
+                   logits_index: bool = True) -> tuple[list[str], list[str]]:
+    """A graph's input and output names, in order; `logits_index=False`: a static decoder graph exported
+    before `LOGITS_INDEX`, whose logits cover every position of the call."""
     if kind == "encoder-decoder":
         return seq2seq_decoder_io_names(n_layer)
-    return decoder_io_names(n_layer) if cache == "concat" else static_io_names(n_layer)
+    if cache == "concat":
+        return decoder_io_names(n_layer)
+    inputs, outputs = static_io_names(n_layer)
+    return inputs + [LOGITS_INDEX] * logits_index, outputs
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:

@@ -136,13 +136,14 @@ class Seq2SeqRunner(StaticRunner):
         self.encode(first_slot, prompts)
         k = len(prompts)
         return self._prefill(first_slot, np.full((k, 1), self.start_id, dtype=np.int64), np.zeros((k, 1), np.int64),
-                             np.zeros(k, dtype=np.int32), 1)[:, 0]
+                             np.zeros(k, dtype=np.int32), 1, np.zeros((k, 1), np.int64))[:, 0]
 
-    def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
+    def prefill(self, slot: int, ids: list[int], start: int, every_position: bool = False) -> np.ndarray:
+        """Encode the source `ids` into `slot`: its target's first logits [vocab]."""
         if start != 0:
             raise ValueError("a source is encoded whole: it cannot continue from position "
                              f"{start} (prefix caching and chunked prefill do not apply to an encoder-decoder)")
-        return self.prefill_batch(slot, [ids])
+        return self.prefill_batch(slot, [ids], every_position)[0]
 
     def decode_targets(self, first_slot: int, targets: list[list[int]]) -> np.ndarray:
         """Teacher-forced logits of whole targets (each starting with the decoder start token) for slots whose
@@ -152,5 +153,5 @@ class Seq2SeqRunner(StaticRunner):
         for i, t in enumerate(targets):
             ids[i, :len(t)] = t
         lengths = np.array([len(t) for t in targets])
-        return self._prefill(first_slot, ids, np.tile(np.arange(width), (k, 1)), (lengths - 1).astype(np.int32),
-                             width)
+        every = np.tile(np.arange(width), (k, 1))
+        return self._prefill(first_slot, ids, every, (lengths - 1).astype(np.int32), width, every)

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 import onnxruntime as ort
 
 from service.runtime.bundle import (
+    LOGITS_INDEX,
     BundleError,
     CacheLayout,
     GraphSpec,
@@ -91,7 +92,10 @@ def check_io(session: ort.InferenceSession, spec: GraphSpec, n_layer: int, kind:
              encoder: bool = False) -> None:
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
-    want_in, want_out = encoder_io_names(n_layer) if encoder else graph_io_names(spec.cache, n_layer, kind)
+    if encoder:
+        want_in, want_out = encoder_io_names(n_layer)
+    else:  # a static decoder graph from before LOGITS_INDEX is served as it was: every position's logits
+        want_in, want_out = graph_io_names(spec.cache, n_layer, kind, logits_index=LOGITS_INDEX in inputs)
     for kind, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
         if got != want:
             missing = [n for n in want if n not in got]

@@ -1,13 +1,16 @@
 """The model runner: the static-cache graph on onnxruntime, bound once to the KV cache. numpy only.
 
     decode(ids, positions)              one new token for each of slots [0, n) -> logits [n, vocab]
-    prefill(slot, ids, start)           `ids` for one slot, written from position `start`
-    prefill_batch(first_slot, prompts)  whole prompts for slots first_slot ... first_slot + k - 1
+    prefill(slot, ids, start)           `ids` for one slot, written from position `start` -> the last one's logits
+    prefill_batch(first_slot, prompts)  whole prompts for slots first_slot ... first_slot + k - 1 -> each
+                                        prompt's last logits (`every_position=True`: every position's, both)
 
 Past and present of every layer are bound, through IO binding, to the same views of the cache
 buffers, so onnxruntime's GroupQueryAttention writes the new keys and values in place and reads
 only each row's live prefix. Decode bindings are built once per batch size and reused: a decode
-step only writes the small input arrays in place and runs. Prefill binds per call.
+step only writes the small input arrays in place and runs. Prefill binds per call. A graph that takes
+`logits_index` computes the vocabulary-wide head only at the positions asked for; one exported before it
+computes every position's, and the runner picks the asked ones out.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from service.runtime.bundle import BundleError
+from service.runtime.bundle import LOGITS_INDEX, BundleError
 from service.runtime.memory import lazy_zeros
 from service.runtime.session import GraphRunner, Provider
 
@@ -66,7 +69,9 @@ class StaticRunner(GraphRunner):
         self.cache_shape = CacheShape(m.n_layer, m.kv_heads, m.d_head, m.n_ctx, self.spec.cache_dtype)
         self._buffers: list[np.ndarray] = []  # the attached cache
         inputs, outputs = self.session.get_inputs(), [o.name for o in self.session.get_outputs()]
-        self._past_names, self._present_names = [i.name for i in inputs[4:]], outputs[1:]
+        self.reads_logits_index = any(i.name == LOGITS_INDEX for i in inputs)  # else: every position's logits
+        self._past_names = [i.name for i in inputs[4:] if i.name != LOGITS_INDEX]
+        self._present_names = outputs[1:]
         cache_type = f"tensor({ONNX_TYPES.get(self.cache_shape.dtype, self.cache_shape.dtype)})"
         if len(inputs) > 4 and inputs[4].type != cache_type:
             raise BundleError(f"{self.spec.file} keeps its KV cache as {inputs[4].type}, but bundle.json says "
@@ -94,6 +99,7 @@ class StaticRunner(GraphRunner):
         self._pos = np.zeros((n, 1), dtype=np.int64)
         self._seqlens = np.zeros(n, dtype=np.int32)
         self._total = np.zeros((), dtype=np.int32)
+        self._read = np.zeros((n, 1), dtype=np.int64)  # logits_index of a decode row: its one position
         self._logits = np.zeros((n, 1, self.vocab_size), dtype=np.float32)
         self._decode_bindings: dict[int, ort.IOBinding] = {}
 
@@ -110,6 +116,8 @@ class StaticRunner(GraphRunner):
             for name, array in (("input_ids", self._ids[:n]), ("position_ids", self._pos[:n]),
                                 ("seqlens_k", self._seqlens[:n]), ("total_sequence_length", self._total)):
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            if self.reads_logits_index:
+                binding.bind_ortvalue_input(LOGITS_INDEX, ort.OrtValue.ortvalue_from_numpy(self._read[:n]))
             binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self._logits[:n]))
             self._bind_cache(binding, 0, n)
             self._decode_bindings[n] = binding
@@ -155,16 +163,18 @@ class StaticRunner(GraphRunner):
         sequence holds a slot: it writes position 0 of slots that a prefill then overwrites."""
         self.decode(np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
 
-    def prefill(self, slot: int, ids: list[int], start: int) -> np.ndarray:
-        """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns logits [len, vocab]."""
+    def prefill(self, slot: int, ids: list[int], start: int, every_position: bool = False) -> np.ndarray:
+        """Write `ids` into `slot` from position `start` (a prompt or a chunk of one). Returns the last position's
+        logits [vocab], or with `every_position` every position's [len, vocab] (scoring, verifying drafts)."""
         n = len(ids)
         s = self._call_length(n, start)
         padded = np.zeros((1, s), dtype=np.int64)  # padding is written past the chunk's end, and overwritten
         padded[0, :n] = ids
+        read = np.arange(n)[None] if every_position else np.array([[n - 1]])
         # the padding counts in the row's length: a continued row's start is its length minus the call's
         logits = self._prefill(slot, padded, np.arange(start, start + s)[None],
-                               np.array([start + s - 1], dtype=np.int32), start + s)
-        return logits[0, :n]
+                               np.array([start + s - 1], dtype=np.int32), start + s, read)
+        return logits[0] if every_position else logits[0, 0]
 
     def _call_length(self, n: int, start: int) -> int:
         """The query length to run `n` new tokens at: n, or n + 1 where onnxruntime's attention would take
@@ -183,15 +193,22 @@ class StaticRunner(GraphRunner):
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts])
-        logits = self._prefill(first_slot, ids, np.tile(np.arange(s), (k, 1)), (lengths - 1).astype(np.int32), s)
-        return logits[:, :longest] if every_position else logits[np.arange(k), lengths - 1]
+        read = np.tile(np.arange(longest), (k, 1)) if every_position else (lengths - 1)[:, None]
+        logits = self._prefill(first_slot, ids, np.tile(np.arange(s), (k, 1)), (lengths - 1).astype(np.int32), s,
+                               read)
+        return logits if every_position else logits[:, 0]
 
-    def _prefill(self, first: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int) -> np.ndarray:
+    def _prefill(self, first: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int,
+                 read: np.ndarray) -> np.ndarray:
+        """One prefill call; the logits at positions `read` of each row, [rows, positions read, vocab]."""
         binding = self.session.io_binding()
         for name, array in (("input_ids", ids), ("position_ids", pos.astype(np.int64)), ("seqlens_k", seqlens),
                             ("total_sequence_length", np.array(total, dtype=np.int32))):
             binding.bind_cpu_input(name, array)
+        if self.reads_logits_index:
+            binding.bind_cpu_input(LOGITS_INDEX, read.astype(np.int64))
         binding.bind_output("logits", "cpu")
         self._bind_cache(binding, first, len(ids))
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        logits = binding.get_outputs()[0].numpy()
+        return logits if self.reads_logits_index else np.take_along_axis(logits, read[:, :, None], axis=1)

@@ -241,7 +241,7 @@ def test_admission_is_first_come_first_served(make_engine):
         return out
 
     engine.runner.prefill_batch = pb
-    engine.runner.prefill = lambda *a: (first_seen(), prefill(*a))[1]
+    engine.runner.prefill = lambda *a, **k: (first_seen(), prefill(*a, **k))[1]
     rng = np.random.default_rng(2)
     reqs = [greedy("a", random_prompt(rng, 5), 20), greedy("b", random_prompt(rng, 80), 5),  # b is chunked
             greedy("c", random_prompt(rng, 2), 3),  # short, behind the long one: waits for it
@@ -273,7 +273,7 @@ def test_n_siblings_share_one_prefill_and_copy_its_cache(make_engine):
     prefill_batch, prefill, copy = engine.runner.prefill_batch, engine.runner.prefill, engine.kv.copy
     engine.runner.prefill_batch = lambda first, prompts: (prefilled.extend(len(p) for p in prompts),
                                                           prefill_batch(first, prompts))[1]
-    engine.runner.prefill = lambda slot, ids, start: (prefilled.append(len(ids)), prefill(slot, ids, start))[1]
+    engine.runner.prefill = lambda slot, ids, start, **k: (prefilled.append(len(ids)), prefill(slot, ids, start, **k))[1]
 
     def spy_copy(src, dst, length):
         copies.append((src, dst, length))

@@ -15,7 +15,7 @@ from export.bundle_writer import GRAPH_FILES, export_bundle, sha256_file
 from export.variants import node_count
 from export.verify import verify, verify_static
 from model.checkpoint import load_model_dir
-from service.runtime.bundle import decoder_io_names, read_manifest, static_io_names
+from service.runtime.bundle import LOGITS_INDEX, decoder_io_names, read_manifest, static_io_names
 from service.runtime.concat_runner import ConcatRunner
 from service.runtime.self_check import MIN_AGREEMENT, logits_at_every_position, probe_sequences
 from service.runtime.static_runner import StaticRunner
@@ -53,10 +53,13 @@ def test_graph_io_names_shapes_and_metadata(tiny_bundle, variant):
 def test_static_graph_io_names_shapes_and_metadata(tiny_bundle, variant):
     graph = onnx.load(str(tiny_bundle / GRAPH_FILES[variant]))
     inputs, outputs = static_io_names(2)
-    assert [i.name for i in graph.graph.input] == inputs
+    assert [i.name for i in graph.graph.input] == [*inputs, LOGITS_INDEX]
     assert [o.name for o in graph.graph.output] == outputs
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
     assert dims["seqlens_k"] == ["batch"] and dims["total_sequence_length"] == []
+    assert dims[LOGITS_INDEX] == ["batch", "logits_seq"]
+    assert [d.dim_param or d.dim_value for d in graph.graph.output[0].type.tensor_type.shape.dim][:2] == [
+        "batch", "logits_seq"]
     assert dims["past_key_values.1.value"] == ["batch", 4, "max_seq", 8]
     assert "GroupQueryAttention" in {n.op_type for n in graph.graph.node}
     assert "Concat" not in {n.op_type for n in graph.graph.node}  # the cache is never copied

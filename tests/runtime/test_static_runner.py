@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from service.engine.config import EngineConfig
 from service.engine.core import Engine
-from service.runtime.bundle import BundleError
+from service.runtime.bundle import LOGITS_INDEX, BundleError, read_manifest
 from service.runtime.concat_runner import ConcatRunner
 from service.runtime.static_runner import CacheShape, StaticRunner
 
@@ -62,3 +64,58 @@ def test_kv_capacity_follows_the_memory_budget(tiny_bundle, caplog):
 def test_config_rejects_a_budget_with_no_room_for_prefill(engine_bundle):
     with pytest.raises(ValueError, match="max_batch_tokens .* must exceed max_running"):
         EngineConfig(bundle=engine_bundle, max_running=64, max_batch_tokens=64)
+
+
+def _prompts(runner: StaticRunner, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, runner.vocab_size, n).tolist() for n in lengths]
+
+
+def test_the_head_runs_only_where_logits_are_read(tiny_bundle):
+    runner = StaticRunner(tiny_bundle, provider="cpu")
+    assert runner.reads_logits_index
+    prompts = _prompts(runner, [7, 33, 1])
+    with runner.scratch_cache(3):
+        every = runner.prefill_batch(0, prompts, every_position=True)
+        last = runner.prefill_batch(0, prompts)
+        long = _prompts(runner, [40], seed=1)[0]
+        runner.prefill(0, long[:24], 0)
+        chunk_every = runner.prefill(0, long[24:], 24, every_position=True)
+        chunk_last = runner.prefill(0, long[24:], 24)
+    assert every.shape == (3, 33, runner.vocab_size) and last.shape == (3, runner.vocab_size)
+    for i, p in enumerate(prompts):  # the same bits as the row's last position among every position's
+        assert np.array_equal(last[i], every[i, len(p) - 1])
+    assert chunk_every.shape == (16, runner.vocab_size) and np.array_equal(chunk_last, chunk_every[-1])
+
+
+def without_logits_index(bundle: Path, out: Path, graph: str = "static") -> None:
+    """`bundle` copied to `out` with its `graph` as exported before LOGITS_INDEX: the head over every position."""
+    import onnx  # the export install's (the tests that build bundles have it)
+
+    shutil.copytree(bundle, out)
+    path = out / read_manifest(out).graphs[graph].file
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    gather = next(n for n in g.node if n.op_type == "GatherND")
+    read = next(n for n in g.node if n.output[0] == gather.input[1])
+    for n in g.node:  # the head reads the final hidden states themselves
+        n.input[:] = [gather.input[0] if name == gather.output[0] else name for name in n.input]
+    g.node.remove(gather)
+    g.node.remove(read)
+    g.input.remove(next(i for i in g.input if i.name == LOGITS_INDEX))
+    onnx.save(model, str(path))
+
+
+def test_a_graph_exported_before_logits_index_is_still_served(tiny_bundle, tmp_path):
+    without_logits_index(tiny_bundle, tmp_path / "old")
+    old, new = StaticRunner(tmp_path / "old", provider="cpu"), StaticRunner(tiny_bundle, provider="cpu")
+    assert not old.reads_logits_index
+    prompts = _prompts(new, [5, 20])
+    got = {}
+    for name, runner in (("old", old), ("new", new)):
+        with runner.scratch_cache(2):
+            got[name] = (runner.prefill_batch(0, prompts), runner.prefill_batch(0, prompts, every_position=True),
+                         runner.prefill(1, prompts[0], 20), runner.decode(np.array([3, 4]), np.array([5, 25])).copy())
+    for a, b in zip(got["old"], got["new"], strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
