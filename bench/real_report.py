@@ -10,7 +10,8 @@ no processes, no clocks, so that every rule here is tested on made-up numbers.
 - `render`: the markdown section of docs/BENCHMARKS.md.
 
 A run (one system, one shape, one round) is a dict: `prefill` {P: tok/s}, `prefill_server` {P: tok/s} (attnserve's
-own account, from its metrics), `decode` {P: {B: tok/s}}, `mixed` {ttft_p50_s, ttft_p99_s, total_s, requests},
+own account, from its metrics), `decode` {P: {B: tok/s}}, `decode_apart` ["PxB" whose streams never all decoded
+at once], `mixed` {ttft_p50_s, ttft_p99_s, total_s, requests},
 `peak_rss_bytes`, `weight_bytes_per_token`, `graph`, `settings`. Keys P and B are strings, as JSON keeps them.
 """
 
@@ -60,11 +61,18 @@ def decode_rate(streams: Sequence[Sequence[tuple[float, int]]]) -> float:
     streams = [s for s in streams if s]
     if not streams:
         return math.nan
-    start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
-    if len(streams) > 1 and end > start:
+    if all_decoding(streams):
+        start, end = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
         return sum(n for s in streams for t, n in s if start < t <= end) / (end - start)
     rates = [sum(n for _, n in s[1:]) / (s[-1][0] - s[0][0]) for s in streams if s[-1][0] > s[0][0]]
     return sum(rates) if rates else math.nan
+
+
+def all_decoding(streams: Sequence[Sequence[tuple[float, int]]]) -> bool:
+    """Whether the streams (two or more) had a moment in which every one of them was decoding: False when a
+    server could not hold them all at once and ran some after others (then `decode_rate` sums their own rates)."""
+    streams = [s for s in streams if s]
+    return len(streams) > 1 and min(s[-1][0] for s in streams) > max(s[0][0] for s in streams)
 
 
 def mixed_summary(sent: Sequence[float], first: Sequence[float | None], ends: Sequence[float]) -> dict:
@@ -175,6 +183,9 @@ def evaluate(rows: list[dict], want: Points, prefill: Sequence[int], after: Sequ
     for shape in dict.fromkeys(r["shape"] for r in rows):
         here = [r for r in rows if r["shape"] == shape]
         for what, least in TARGETS:
+            if what == "decode-streams" and b == 1:
+                continue  # no decode with several streams was measured: batch 1's target says it all
+
             def value(r, what=what):
                 return target_value(r, what, p, a, b)
 

@@ -23,7 +23,7 @@ import numpy as np
 from bench import workload
 from bench.peers.llama_cpp import SLOTS, Completions, LlamaServer, batched_bench_rows
 from bench.peers.protocol import peak_rss_bytes
-from bench.real_report import decode_rate, mixed_summary
+from bench.real_report import all_decoding, decode_rate, mixed_summary
 from bench.stats import RequestRecord
 
 TIMEOUT_S = 3 * 3600.0  # a request's deadline: a 16,000-token prefill on 2 cores takes minutes
@@ -130,7 +130,7 @@ async def measure_server(front: Front, plan: Plan, log: Callable[[str], None]) -
         if before and after and after[1] > before[1]:
             prefill_server[str(p)] = p / ((after[0] - before[0]) / (after[1] - before[1]))
         log(f"      prefill {p:>6,} tokens: {prefill[str(p)]:8.1f} tok/s (TTFT {record.ttft:.2f} s)")
-    decode = {}
+    decode, apart = {}, []  # apart: the points whose streams never all decoded at once
     for p in plan.decode_after:
         prompt = plan.prompt(p, DECODE)
         async with front.connected(1) as send:
@@ -139,12 +139,16 @@ async def measure_server(front: Front, plan: Plan, log: Callable[[str], None]) -
         for b in plan.batches:
             async with front.connected(b) as send:
                 records = await asyncio.gather(*(send(prompt, plan.new_tokens) for _ in range(b)))
-            decode[str(p)][str(b)] = decode_rate([[a for a in r.arrivals if a[1] > 0] for r in records])
+            arrivals = [[a for a in r.arrivals if a[1] > 0] for r in records]
+            decode[str(p)][str(b)] = decode_rate(arrivals)
+            if b > 1 and not all_decoding(arrivals):
+                apart.append(f"{p}x{b}")
             log(f"      decode after {p:>6,}, {b:>2} streams: {decode[str(p)][str(b)]:8.1f} tok/s")
     mixed = await mixed_load(front, plan)
     log(f"      mixed load: TTFT p50 {mixed['ttft_p50_s']:.2f} s, p99 {mixed['ttft_p99_s']:.2f} s, "
         f"{mixed['total_s']:.1f} s in all")
-    return {"prefill": prefill, "prefill_server": prefill_server, "decode": decode, "mixed": mixed}
+    return {"prefill": prefill, "prefill_server": prefill_server, "decode": decode, "decode_apart": apart,
+            "mixed": mixed}
 
 
 async def mixed_load(front: Front, plan: Plan) -> dict:
@@ -164,13 +168,15 @@ async def mixed_load(front: Front, plan: Plan) -> dict:
 # ---- attnserve ---------------------------------------------------------------------------------------------
 
 
-def attnserve_run(bundle: Path, flags: list[str], plan: Plan, log_dir: Path, log: Callable[[str], None]) -> dict:
-    """`attnserve serve --bundle <bundle> <flags>` measured over gRPC; the graph it served and its peak RSS."""
+def attnserve_run(bundle: Path, flags: list[str], plan: Plan, log_dir: Path, name: str,
+                  log: Callable[[str], None]) -> dict:
+    """`attnserve serve --bundle <bundle> <flags>` measured over gRPC; the graph it served and its peak RSS. Its
+    log is `<log_dir>/<name>.1.log`."""
     from service.client import AsyncClient
     from service.client.server_process import ServerProcess
 
     args = ["--bundle", str(bundle), *flags]
-    with ServerProcess(args, name="attnserve", log_dir=log_dir, start_timeout_s=3600.0,
+    with ServerProcess(args, name=name, log_dir=log_dir, start_timeout_s=3600.0,
                        stop_timeout_s=120.0) as server:
         async def measured() -> tuple[dict, str]:
             async with AsyncClient(server.address, timeout_s=TIMEOUT_S) as client:

@@ -308,7 +308,9 @@ class Comparison:
             if system.family.startswith("attnserve"):
                 from bench.real_runs import attnserve_run
 
-                run = attnserve_run(shape.bundle, self.attnserve_flags(system, shape, plan), plan, logs, self.log)
+                name = f"{system.key.replace(':', '-')}-round{rnd + 1}"
+                run = attnserve_run(shape.bundle, self.attnserve_flags(system, shape, plan), plan, logs, name,
+                                    self.log)
                 run["weight_bytes_per_token"] = graph_bytes_per_token(shape.bundle, run["graph"])
             elif system.family == "llama.cpp-batched":
                 from bench.real_runs import batched_bench_run, gguf_bytes_per_token
@@ -326,13 +328,17 @@ class Comparison:
                 run = llama_server_run(self.llama_bin, gguf, plan, llama_cpp.cores(), logs, self.log)
                 run["weight_bytes_per_token"] = gguf_bytes_per_token(gguf)
         except Exception as e:  # a system that fails is reported and left out of later rounds
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
+            why = failure(e)
             self.note(f"{shape.name}: {system.key} failed in round {rnd + 1} and was dropped: {why}")
             self.dropped[shape.name].add(system.key)
             return
         run |= {"shape": shape.name, "key": system.key, "family": system.family, "label": label,
                 "round": rnd + 1, "seconds": time.perf_counter() - started}
         self.runs.append(run)
+        for point in run.get("decode_apart", []):
+            after, streams = point.split("x")
+            self.note(f"{shape.name}: {label}, round {rnd + 1}: the {streams} streams after {after} tokens never all "
+                      "decoded at once; that figure is the sum of each stream's own rate")
         if rnd == 0 and system.family == "llama.cpp-batched":
             self.first_round.setdefault(shape.name, {})[system.variant] = run
         self.log(f"    {label}: done in {run['seconds']:.0f} s")
@@ -370,7 +376,7 @@ class Comparison:
             extra = batched_bench_run(self.llama_bin, gguf, plan_long, long, llama_cpp.cores(), logs, self.log)
         except Exception as e:
             self.note(f"{shape.name}: {key} prefill beyond {self.ref_prefill:,} tokens failed in round {rnd + 1}: "
-                      f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:400]}")
+                      f"{failure(e)}")
             return
         run["prefill"] |= extra["prefill"]
         run["peak_rss_bytes"] = max(run["peak_rss_bytes"], extra["peak_rss_bytes"])
@@ -383,6 +389,12 @@ class Comparison:
         for precision, why in slow_precisions(self.first_round.get(shape.name, {})).items():
             self.dropped[shape.name].add(f"llama.cpp-batched:{precision}")
             self.note(f"{shape.name}: llama.cpp batched-bench {precision} left out after round 1: {why}")
+
+
+def failure(e: Exception) -> str:
+    """An error in one line: its first line and, when it goes on (a log's tail), its last."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return lines[0][:300] + (f" … {lines[-1][:300]}" if len(lines) > 1 else "")
 
 
 def say(text: str) -> None:

@@ -12,6 +12,7 @@ from bench.commands import compare_real
 from bench.commands.compare_real import System, all_systems, select
 from bench.real_report import (
     REAL_POINTS,
+    all_decoding,
     decode_rate,
     evaluate,
     fastest_precision,
@@ -43,13 +44,13 @@ def test_streams_count_the_tokens_inside_the_window_where_all_decode():
     a = [(0.0, 1), (1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)]
     b = [(1.5, 1), (2.5, 1), (3.5, 1), (5.0, 1)]  # starts last (1.5); a ends first (4.0)
     # in (1.5, 4.0]: a at 2, 3, 4 and b at 2.5, 3.5
-    assert decode_rate([a, b]) == pytest.approx(5 / 2.5)
+    assert decode_rate([a, b]) == pytest.approx(5 / 2.5) and all_decoding([a, b])
 
 
 def test_streams_that_never_decode_together_fall_back_to_the_sum_of_their_own_rates():
     a = [(0.0, 1), (1.0, 1), (2.0, 1)]
     b = [(3.0, 1), (4.0, 1), (7.0, 1)]
-    assert decode_rate([a, b]) == pytest.approx(2 / 2.0 + 2 / 4.0)
+    assert decode_rate([a, b]) == pytest.approx(2 / 2.0 + 2 / 4.0) and not all_decoding([a, b])
     assert math.isnan(decode_rate([[(1.0, 4)]]))  # everything in one message: no rate
     assert math.isnan(decode_rate([]))
 
@@ -202,3 +203,11 @@ def test_a_quick_run_measures_every_system_it_can(tmp_path, capsys):
     llama_skipped = any("llama.cpp skipped" in n for n in result["notes"])
     assert llama_skipped or {"llama.cpp-batched:q4_0", "llama.cpp-server"} <= set(keys)
     assert result["targets"] and result["complete"] is True
+
+
+def test_a_failure_is_one_line_with_the_end_of_the_log_it_quotes():
+    e = RuntimeError("attnserve exited with 1 while starting; the end of its log (x.log):\nloading\n"
+                     "start-up failed: inputs do not match\n")
+    assert compare_real.failure(e) == ("attnserve exited with 1 while starting; the end of its log (x.log): … "
+                                       "start-up failed: inputs do not match")
+    assert compare_real.failure(ValueError()) == "ValueError"
