@@ -112,6 +112,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "rounds": len(mine), "prefill": _medians([r.get("prefill", {}) for r in mine]),
                      "prefill_server": _medians([r.get("prefill_server", {}) for r in mine]),
                      "decode": _medians([r.get("decode", {}) for r in mine]),
+                     "decode_apart": sorted({p for r in mine for p in r.get("decode_apart", [])}),
                      "mixed": _medians([r["mixed"] for r in mine if r.get("mixed")]),
                      "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0 for r in mine), default=0) or None,
                      "weight_bytes_per_token": first.get("weight_bytes_per_token"),
@@ -227,8 +228,13 @@ def decode_table(rows: list[dict], after: Sequence[int], batches: Sequence[int])
     lines = ["| system | " + " | ".join(f"after {a:,}, {b} stream{'s' if b > 1 else ''}" for a, b in columns) + " |",
              "|---|" + "---:|" * len(columns)]
     for r in rows:
+        apart = set(r.get("decode_apart", []))
         lines.append(f"| {_name(r)} | " + " | ".join(_num(r["decode"].get(str(a), {}).get(str(b)), 1, ".1f")
-                                                     for a, b in columns) + " |")
+                                                     + ("*" if f"{a}x{b}" in apart else "") for a, b in columns)
+                     + " |")
+    if any(r.get("decode_apart") for r in rows):
+        lines += ["", "\\* in some round the streams never all decoded at once (the server held fewer): the sum of "
+                  "each stream's own rate."]
     return lines
 
 

@@ -138,6 +138,7 @@ def fake_runs() -> list[dict]:
                      {"512": {"1": 25 * scale, "8": 120 * scale}}, rnd, "llama.cpp batched-bench q4_0"),
                  run("qwen2.5-0.5b", "llama.cpp-server", "llama.cpp-server", {"4000": 110 * scale},
                      {"512": {"1": 20 * scale}}, rnd, "llama.cpp server q4_0")]
+    runs[-3]["decode_apart"] = ["512x8"]  # out of the box, round 3
     return runs
 
 
@@ -180,6 +181,7 @@ def test_the_report_has_every_table_and_the_rules(tmp_path):
     assert "`attnserve bench compare --real-shapes --repeats 3`" in md
     assert "| **attnserve gRPC static-int8** | — | 130 |" in md  # 512 not measured, 4000 measured
     assert "after 512, 8 streams" in md and "| llama.cpp server q4_0 | 20.0 | — |" in md
+    assert "| **attnserve out of the box** | 30.0 | 90.0* |" in md and "never all decoded at once" in md
     assert "| **attnserve gRPC static-int8** | — | — | — | 1000 | 500.0 | 40.0 | 20.0 | 100% |" in md
     assert "decode, batch 1, after 512 ≥ 1.5×" in md and "f16 left out after round 1" in md and "- a rule" in md
     tables = [line for line in md.splitlines() if line.startswith("|")]
