@@ -8,7 +8,8 @@ lengths and concurrencies they serve them at.
 
 Each shape is a random-weight model at a real shape (bench/real_shapes.py, built once and reused): attnserve
 serves its bundle, llama.cpp its GGUFs made from the same Hugging Face checkpoint by llama.cpp's converter
-(f16, q8_0; q4_0 by llama-quantize from f32). The systems, each in a process of its own for each round:
+(f16, q8_0; q4_0 by llama-quantize from an f32 GGUF, deleted once it is made). The systems, each in a process of
+its own for each round:
 
 1. attnserve over gRPC, one per --graphs: `attnserve serve --graph G --allow-low-agreement` (random weights may
    miss the start-up agreement bar), prefix caching on, --max-running at least 32, --max-context the longest
@@ -23,7 +24,8 @@ What each measures (bench/real_runs.py; the arithmetic is bench/real_report.py's
   side; attnserve's own TTFT from its metrics beside it); batched-bench: its S_PP (-ntg 1 -npl 1);
 - decode tokens/s at each of --decode-batches streams after each --decode-after prompt: B streams at once with
   the same prompt (sent once before with 1 new token, so a prefix cache holds it), --new-tokens greedy tokens
-  each (exactly: ignore_eos); tokens received while all B decode over that window (`decode_rate`);
+  each (exactly: ignore_eos); tokens received while all B decode over that window (`decode_rate`; where a
+  server never ran all B at once, the sum of each stream's own rate, marked in the table);
   batched-bench: its S_TG with the prompt shared (-pps);
 - the servers' TTFT p50/p99 under a mixed load: --mixed-requests distinct prompts, lengths uniform in
   --mixed-range (seeded), one every --mixed-interval seconds, --mixed-new-tokens each;
