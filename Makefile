@@ -21,7 +21,7 @@ help:
 	@echo "make serve-g2p  serve it: the prompt is a word, the completion its phonemes"
 	@echo "make bench-onnx export every graph variant and measure nodes, latency, held-out bits/char"
 	@echo "make bench-quantization  every reduced-precision candidate against fp32 on this CPU (docs/onnx.md)"
-	@echo "make real-shapes  random-weight models at real shapes (Qwen2.5 0.5B and 1.5B, a 131k-position Llama), HF"
+	@echo "make real-shapes  random-weight models at real shapes (Qwen2.5 0.5B and 1.5B, Llama 3.2 1B, a 131k-position Llama), HF"
 	@echo "                checkpoint, model directory and bundle, built once under ~/.cache/attnserve/real-shapes"
 	@echo "                (SHAPES=\"qwen2.5-0.5b llama-131k\" to choose; bench/real_shapes.py)"
 	@echo "make bench      the serving benchmarks: gRPC load, the comparison with the peers, the G2P model against"

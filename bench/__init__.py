@@ -12,6 +12,8 @@
   - noop_server.py     a server that generates nothing (`python -m bench.noop_server`), for `bench serve --noop-check`
   - op_profile.py      `python -m bench.op_profile`: a decode step's time by operator (a diagnostic, not a bench)
   - plots.py           the PNG plots of the results
+  - real_report.py     `bench compare --real-shapes`: decode rates, medians, skip rules, targets, its report
+  - real_runs.py       `bench compare --real-shapes`: attnserve and llama.cpp measured at one shape's points
   - replicas.py        the runs against a fleet: a rolling update, a killed replica, capacity (tests, `bench replicas`)
   - roofline.py        the bytes a batch-1 decode step reads, and the tokens/s the read bandwidth allows for them
   - serve_http.py      the load generator's HTTP client (`bench serve --protocol http`)

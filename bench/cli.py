@@ -8,7 +8,8 @@ import sys
 BENCHES = {  # name: (its module in bench/commands/, what it measures)
     "engine": ("engine", "the engine in-process: throughput, step time vs context, compute ceiling"),
     "serve": ("serve", "a load of concurrent streaming gRPC (or HTTP) clients: tokens/s, TTFT, ITL, errors"),
-    "compare": ("compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table"),
+    "compare": ("compare", "HF transformers, optimum, attnserve in-process and over gRPC: one table; "
+                           "--real-shapes: against llama.cpp at real shapes, long prompts, many streams"),
     "soak": ("soak", "a mixed load for minutes: server memory, throughput and errors over time"),
     "onnx-variants": ("onnx_variants", "every graph of a bundle: nodes, batch-1 latency, bits/char"),
     "quantization": ("quantization", "reduced-precision candidates against fp32 on this CPU: quality, speed"),

@@ -16,6 +16,8 @@ Each shape is built as a user would bring a checkpoint:
 
 import-hf and export run as child processes of their own, so the stamp's peak RSS is theirs alone. A step
 whose output the stamp records for the same recipe is not run again; anything else rebuilds the shape.
+The shapes: qwen2.5-0.5b and qwen2.5-1.5b (Qwen2.5's widths, 32,768 positions), llama-3.2-1b (Llama 3.2 1B's
+widths at 32,768 positions), and llama-131k (131,072 positions at tiny widths).
 `build` with no names builds every shape. The largest, qwen2.5-1.5b (5.1 GiB of fp32 weights), peaked at
 10.7 GiB in import-hf and 6.1 GiB in export (docs/BENCHMARKS.md#export-time-and-peak-memory-at-real-shapes):
 look at the free memory first.
@@ -55,6 +57,9 @@ class RealShape:
 
 QWEN2 = dict(rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False,
              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+# Llama 3.x's rope: theta 500,000 and llama3 scaling of an 8192-position original
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 SHAPES = {
     "qwen2.5-0.5b": RealShape("Qwen2ForCausalLM", dict(
         QWEN2, num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
@@ -66,8 +71,13 @@ SHAPES = {
     "llama-131k": RealShape("LlamaForCausalLM", dict(
         num_hidden_layers=16, hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
         intermediate_size=1024, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+        rope_parameters=LLAMA3_ROPE)),
+    # Llama 3.2 1B's widths; 32,768 positions (not its 131,072): the context `attnserve bench compare
+    # --real-shapes` serves it at, so that a server sizes its sequences by what the benchmark sends
+    "llama-3.2-1b": RealShape("LlamaForCausalLM", dict(
+        num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        intermediate_size=8192, rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_parameters=LLAMA3_ROPE)),
 }
 
 

@@ -3,6 +3,7 @@ with `main(argv)`, each writing docs/bench/<name>.json and its section of docs/B
 
 - bandwidth.py         `bench bandwidth`: this machine's memory read bandwidth, the bound on a batch-1 decode step
 - compare.py           `bench compare`: attnserve against the CPU engines in bench/peers/, at three sizes, one run
+- compare_real.py      `bench compare --real-shapes`: attnserve against llama.cpp at real shapes, long prompts
 - engine.py            `bench engine`: the engine in-process: throughput, step time against context, compute ceiling
 - g2p.py               `bench g2p`: the encoder-decoder G2P model against CTranslate2 and transformers
 - hostile.py           `bench hostile`: what hostile clients cost everyone else

@@ -3,6 +3,7 @@
     attnserve bench compare                       # every size, every system, 3 interleaved rounds (make bench)
     attnserve bench compare --sizes gpt2-124m --systems attnserve,attnserve-grpc,llama.cpp --repeats 1
     attnserve bench compare --quick --no-write    # tiny random sizes, 8 tokens: a smoke test in a minute
+    attnserve bench compare --real-shapes         # against llama.cpp at real shapes (bench/commands/compare_real.py)
 
 For each size of `bench.sizes` (the shipped model; GPT-2 124M's shape; SmolLM2-135M's shape) it prepares
 the weights once as every system takes them: attnserve's bundle (graphs static, static-int8,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -265,7 +267,15 @@ def run_size(size: str, args, systems: list[System], notes: list[str], log=print
 def main(argv: list[str] | None = None) -> int:
     from bench.sizes import SIZES
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--real-shapes" in argv:
+        from bench.commands import compare_real
+
+        return compare_real.main([a for a in argv if a != "--real-shapes"])
     p = HintingParser(prog="attnserve bench compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--real-shapes", action="store_true",
+                   help="attnserve against llama.cpp at real shapes, long prompts and many streams instead "
+                        "(bench/commands/compare_real.py; its own flags: --real-shapes --help)")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--systems", default="", help="only these (keys like ctranslate2:int8, or families; "
                                                  "default: all)")

@@ -131,10 +131,11 @@ def context_per_sequence(spec: dict) -> int:
     return max(len(p) for p in prompts) + spec["new_tokens"] + CONTEXT_MARGIN
 
 
-def request_body(prompt: list[int], new_tokens: int, stream: bool) -> dict:
-    """Exactly `new_tokens` greedy tokens after `prompt` (ids, so no BOS), prefilled whole, no penalties."""
+def request_body(prompt: list[int], new_tokens: int, stream: bool, cache_prompt: bool = False) -> dict:
+    """Exactly `new_tokens` greedy tokens after `prompt` (ids, so no BOS), no penalties; prefilled whole unless
+    `cache_prompt` lets the server reuse a slot's cached prefix of it."""
     return {"prompt": prompt, "n_predict": new_tokens, "ignore_eos": True, "samplers": ["top_k"], "top_k": 1,
-            "temperature": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "stream": stream,
+            "temperature": 0.0, "repeat_penalty": 1.0, "cache_prompt": cache_prompt, "stream": stream,
             "return_tokens": not stream}
 
 
@@ -178,16 +179,17 @@ class Completions:
         check_final(data, new_tokens)
         return data["tokens"]
 
-    async def stream(self, prompt: list[int], new_tokens: int) -> RequestRecord:
+    async def stream(self, prompt: list[int], new_tokens: int, cache_prompt: bool = False) -> RequestRecord:
         """One streamed request: each chunk's arrival and the tokens generated since the previous chunk."""
         record = RequestRecord(time.perf_counter(), expected_tokens=new_tokens)
+        body = request_body(prompt, new_tokens, stream=True, cache_prompt=cache_prompt)
         try:
-            final = await self._stream(request_body(prompt, new_tokens, stream=True), record)
+            final = await self._stream(body, record)
         except httpx2.RemoteProtocolError:
             if record.arrivals:
                 raise
             self.retried += 1
-            final = await self._stream(request_body(prompt, new_tokens, stream=True), record)
+            final = await self._stream(body, record)
         check_final(final, new_tokens)
         return record
 
@@ -244,12 +246,13 @@ async def drive(url: str, spec: dict) -> tuple[list[list[int]], list[list[int]],
 class LlamaServer:
     """`llama-server` in a child process on a free port, its log in a file; ready once /health says so."""
 
-    def __init__(self, bin_dir: Path, gguf: Path, context: int, threads: int, log: Path):
+    def __init__(self, bin_dir: Path, gguf: Path, context: int, threads: int, log: Path,
+                 extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "--parallel", str(SLOTS), "--cont-batching", "-c", str(context), "--threads", str(threads),
-                     "--threads-batch", str(threads), "--no-ui"]
+                     "--threads-batch", str(threads), "--no-ui", *extra]
         self.log = log
         self.proc: subprocess.Popen | None = None
 

@@ -23,7 +23,7 @@ def test_every_shape_imports_as_the_shape_it_names(name):
         c["intermediate_size"], c["max_position_embeddings"])
     assert ours.tie_embeddings and ours.qkv_bias == (shape.architecture == "Qwen2ForCausalLM")
     assert ours.rope_theta == c["rope_parameters"]["rope_theta"]
-    if name == "llama-131k":
+    if shape.architecture == "LlamaForCausalLM":  # llama-131k, llama-3.2-1b
         assert ours.rope_scaling["rope_type"] == "llama3" and ours.d_head == 64
 
 
