@@ -21,6 +21,9 @@ and measured against it, on this CPU; each 4-bit one once per block size of `--b
 50257 tokens, 1024 context), where batch 1 is bound by reading the weights as in real deployments
 and not by per-op overhead as in the 6M default model.
 
+`--real-shape NAME` measures speed alone on a shape of `bench.real_shapes` (built once under ~/.cache, e.g.
+qwen2.5-0.5b): the sizes served on CPU, where the 4-bit block size and the bytes read per token decide batch 1.
+
 `--emulate CPU` measures the quality columns again under `qemu-x86_64 -cpu CPU`, where onnxruntime
 sees only that CPU's instructions (Haswell: AVX2 without VNNI); emulated times mean nothing and
 are left out. Results are kept per CPU in docs/bench/quantization.json: a run adds or replaces
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-mb", type=int, default=1000, help="array size of the read-bandwidth probe, MB")
     p.add_argument("--quick", action="store_true", help="a few windows, prompts and steps: checks that it runs")
     p.add_argument("--gpt2-shape", action="store_true", help="speed only, on random weights of GPT-2 124M's shape")
+    p.add_argument("--real-shape", metavar="NAME", help="speed only, on this shape of bench.real_shapes (built once)")
     p.add_argument("--emulate", metavar="CPU", help="also measure quality under qemu-x86_64 -cpu CPU (e.g. Haswell)")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = one per core)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON goes")
@@ -206,11 +210,16 @@ def main(argv: list[str] | None = None) -> int:
             from bench.commands.engine import random_bundle
 
             source = random_bundle(args.bundle, Path(tmp) / "gpt2-shape", **GPT2_SHAPE)
+        elif args.real_shape:
+            from bench.real_shapes import build
+
+            source = build(args.real_shape).bundle
+        speed_only = args.gpt2_shape or args.real_shape
         work = Path(tmp) / "candidates"
         block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
         graphs = candidate_bundle(source, work, expand_block_sizes(args.candidates.split(","), block_sizes))
         held_out = held_out_ids(StaticRunner(work, REFERENCE, provider="cpu").tokenizer)
-        rows = {g: {} for g in graphs} if args.gpt2_shape else measure_quality(
+        rows = {g: {} for g in graphs} if speed_only else measure_quality(
             work, graphs, args.threads, held_out, **(QUICK if args.quick else FULL))
         for measured in (measure_invariance(work, graphs, args.threads),
                          measure_speed(work, graphs, args.quick, args.threads)):
@@ -220,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         roofline(work, rows, gb_per_s)
         emulated = emulated_quality(work, graphs, args.emulate, held_out) if args.emulate else None
     machine = describe()
-    model = "random weights, GPT-2 124M shape" if args.gpt2_shape else read_manifest(args.bundle).model.name
+    model = ("random weights, GPT-2 124M shape" if args.gpt2_shape else
+             f"random weights, {args.real_shape} shape" if args.real_shape else read_manifest(args.bundle).model.name)
     run = {"machine": machine, "model": model, "quick": args.quick,
            "command": "attnserve bench quantization" + (" " + " ".join(argv) if argv else ""), "rows": rows,
            "read_gb_per_s": gb_per_s, "exported": {"--int8": INT8.name, "--int4": INT4.name},
