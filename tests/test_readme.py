@@ -233,6 +233,10 @@ TABLE: dict[str, Run | Skip] = {
     ".venv/bin/attnserve bench g2p": Skip("needs the peers' virtualenvs (make bench-peers), and it rewrites "
                                           "docs/BENCHMARKS.md"),
     "make soak": Skip("10 minutes of load"),
+    "make real-shapes && make bench-llama-cpp": Skip("minutes to hours and gigabytes: random-weight models of "
+                                                     "0.5B-1.5B parameters, and llama.cpp built from source"),
+    ".venv/bin/attnserve bench compare --real-shapes": Skip("hours of measurement at real shapes, and it rewrites "
+                                                           "docs/BENCHMARKS.md"),
     ".venv/bin/attnserve export-hf models/shakespeare -o runs/hf": Run(LOCAL, llama_directory, writes=("runs/hf",)),
     ".venv/bin/attnserve generate-local \"Rom.\" --max-new-tokens 200 --temperature 0.8 --top-k 50 --seed 0":
         Run(LOCAL, prints_continuation_of("Rom.")),
