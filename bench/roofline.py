@@ -56,6 +56,13 @@ def weight_bytes_per_token(onnx_path: str | Path) -> int:
     return sum(size for name, size in sizes.items() if name in read_whole)
 
 
+def graph_weight_bytes_per_token(bundle: Path, graph: str) -> int:
+    """`weight_bytes_per_token` of graph `graph` of the bundle at `bundle`."""
+    from service.runtime.bundle import read_manifest
+
+    return weight_bytes_per_token(Path(bundle) / read_manifest(bundle).graphs[graph].file)
+
+
 def bound_tokens_per_s(bytes_per_token: int, gb_per_s: float) -> float:
     """The most tokens/s a batch-1 decode can reach reading `bytes_per_token` at `gb_per_s` (10⁹ bytes/s)."""
     if bytes_per_token <= 0:

@@ -189,13 +189,11 @@ def add_bounds(rows: list[dict], bundles: dict[str, Path], gb_per_s: float | Non
     """Each attnserve row's batch-1 bound (tokens/s) from its graph's weight bytes and the read bandwidth."""
     if not gb_per_s:
         return
-    from bench.roofline import bound_tokens_per_s, weight_bytes_per_token
-    from service.runtime.bundle import read_manifest
+    from bench.roofline import bound_tokens_per_s, graph_weight_bytes_per_token
 
     for r in rows:
         if r["ours"]:
-            bundle = bundles[r["size"]]
-            weight_bytes = weight_bytes_per_token(bundle / read_manifest(bundle).graphs[GRAPHS[r["precision"]]].file)
+            weight_bytes = graph_weight_bytes_per_token(bundles[r["size"]], GRAPHS[r["precision"]])
             r["weight_bytes_per_token"] = weight_bytes
             r["bound_tokens_per_s"] = bound_tokens_per_s(weight_bytes, gb_per_s)
 

@@ -48,6 +48,7 @@ measured): docs/bench/compare-real.json (or --out), then the compare-real sectio
 from __future__ import annotations
 
 import json
+import math
 import struct
 import tempfile
 import time
@@ -70,6 +71,7 @@ from bench.real_report import (
     summarize,
 )
 from bench.real_runs import Plan
+from bench.roofline import graph_weight_bytes_per_token
 
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b")
 PRECISIONS = ("f16", "q8_0", "q4_0")  # llama.cpp's GGUFs
@@ -134,12 +136,7 @@ def safetensors_parameters(hf_dir: Path) -> int:
     for f in sorted(hf_dir.glob("*.safetensors")):
         with f.open("rb") as fh:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, tensor in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in tensor["shape"]:
-                    n *= d
-                total += n
+        total += sum(math.prod(tensor["shape"]) for name, tensor in header.items() if name != "__metadata__")
     return total
 
 
@@ -316,7 +313,7 @@ class Comparison:
                 name = f"{system.key.replace(':', '-')}-round{rnd + 1}"
                 run = attnserve_run(shape.bundle, self.attnserve_flags(system, shape, plan), plan, logs, name,
                                     self.log)
-                run["weight_bytes_per_token"] = graph_bytes_per_token(shape.bundle, run["graph"])
+                run["weight_bytes_per_token"] = graph_weight_bytes_per_token(shape.bundle, run["graph"])
             elif system.family == "llama.cpp-batched":
                 from bench.real_runs import batched_bench_run, gguf_bytes_per_token
 
@@ -404,13 +401,6 @@ def failure(e: Exception) -> str:
 
 def say(text: str) -> None:
     print(text, flush=True)  # a long run shows it is alive, also through a pipe
-
-
-def graph_bytes_per_token(bundle: Path, graph: str) -> int:
-    from bench.roofline import weight_bytes_per_token
-    from service.runtime.bundle import read_manifest
-
-    return weight_bytes_per_token(bundle / read_manifest(bundle).graphs[graph].file)
 
 
 def parse_args(argv: list[str] | None):
