@@ -126,6 +126,14 @@ def build(name: str, cache: Path = CACHE) -> Built:
     return built
 
 
+def state(name: str, cache: Path = CACHE) -> str:
+    """'built', 'stale' (exported before the current EXPORT_REVISION: `build` exports it again) or 'not built'."""
+    export = read_stamp(cache / name / STAMP).get("steps", {}).get("export")
+    if export is None:
+        return "not built"
+    return "built" if export.get("revision") == EXPORT_REVISION else "stale"
+
+
 def save_random_checkpoint(name: str, out: Path) -> None:
     """The shape's transformers model with lively random weights, saved as transformers saves it, and its tokenizer."""
     import torch
@@ -200,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown shapes {unknown}; the shapes are {sorted(SHAPES)}")
     if args.action == "list":
         for name in SHAPES:
-            built = (args.cache / name / STAMP).is_file() and "export" in read_stamp(args.cache / name / STAMP)["steps"]
-            print(f"{name:<14} {'built' if built else 'not built':<10} {paths(name, args.cache).bundle}")
+            print(f"{name:<14} {state(name, args.cache):<10} {paths(name, args.cache).bundle}")
         return 0
     for name in args.names or (list(SHAPES) if args.action == "build" else []):
         print(build(name, args.cache).bundle if args.action == "build" else paths(name, args.cache).bundle)
