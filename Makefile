@@ -69,7 +69,7 @@ $(SERVING_BIN)/.installed: pyproject.toml constraints.txt Dockerfile
 	mkdir -p $(SERVING)/src && cp -R $(SERVING_SOURCES) $(SERVING)/src/
 	$(SERVING_BIN)/pip install --quiet -c constraints.txt $(SERVING)/src
 	$(SERVING_BIN)/pip uninstall --quiet -y $(IMAGE_REMOVES)
-	$(SERVING_BIN)/pip install --quiet -c constraints.txt pytest cryptography openai jsonschema
+	$(SERVING_BIN)/pip install --quiet -c constraints.txt pytest cryptography openai anthropic jsonschema
 	touch $@
 
 test-serving: $(SERVING_BIN)/.installed
