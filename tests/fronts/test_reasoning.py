@@ -120,7 +120,7 @@ def test_the_message_carries_reasoning_content_whole_and_streamed(tools):
     assert choice["finish_reason"] == ("tool_calls" if tools else "stop")
     assert len(choice["message"].get("tool_calls", [])) == int(tools)
     streamed = builder(reader)
-    chunks = [json.loads(c.removeprefix(b"data: ")) for c in streamed.role_chunks() + streamed.chunks(0, events(output))]
+    chunks = [json.loads(c.removeprefix(b"data: ")) for c in streamed.stream_head() + streamed.chunks(0, events(output))]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Weather needed."
     assert "".join(d.get("content") or "" for d in deltas) == "Checking."

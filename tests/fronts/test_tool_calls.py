@@ -339,7 +339,7 @@ def test_the_sdk_accumulates_the_stream_into_the_whole_response(fmt, output, con
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])] \
         == calls
     streamed = builder(fmt)
-    chunks = streamed.role_chunks()
+    chunks = streamed.stream_head()
     for batch in events(output):
         chunks += streamed.chunks(0, [batch])
     final = accumulated(chunks).choices[0]

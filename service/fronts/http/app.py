@@ -29,17 +29,17 @@ from starlette.routing import Route
 from service import logs
 from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
-from service.fronts.chat_output import output_reader
+from service.fronts.chat_output import OutputReader, output_reader
 from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
 from service.fronts.http.bearer_guard import BearerGuard
-from service.fronts.http.errors import HttpError, error_body, error_response
+from service.fronts.http.errors import HttpError, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
-from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
+from service.fronts.http.response_streams import BodyBuilder, SSEResponse, json_pieces
 from service.fronts.http.structured import constraint_of
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
@@ -68,9 +68,10 @@ class HttpFront:
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
         self.app = BearerGuard(app, token, serving)
 
-    def _route(self, method: str, path: str, handler: Callable[[Request, Call], Awaitable[Response]]) -> Route:
+    def _route(self, method: str, path: str, handler: Callable[[Request, Call], Awaitable[Response]],
+               errors: Callable[[HttpStatus], Response] = error_response) -> Route:
         """A counted endpoint: its call is measured under `path` (parameters unnamed by type), and whatever
-        `handler` raises becomes the error response."""
+        `handler` raises becomes the error response, in the shape `errors` gives it (OpenAI's by default)."""
         label = re.sub(r":\w+}", "}", path)
 
         async def endpoint(request: Request) -> Response:
@@ -78,7 +79,7 @@ class HttpFront:
             try:
                 return await handler(request, call)
             except Exception as e:
-                return self._failed(call, e)
+                return self._failed(call, e, errors)
 
         return Route(path, endpoint, methods=[method])
 
@@ -123,10 +124,19 @@ class HttpFront:
         logs.request_id.set(accepted_requests[0].request_id)
         builder = CompletionBuilder(self._served_name(), accepted_requests, self.serving.texts,
                                     self._include_usage(body))
-        return await self._generate(request, call, accepted_requests, builder, bool(body.stream), names)
+        return await self.generate(request, call, accepted_requests, builder, bool(body.stream), names)
 
     async def chat_completions(self, request: Request, call: Call) -> Response:
         body, size = await read_body(request, ChatCompletionRequest, self.serving)
+        accepted, reader, names = await self.accept_chat(request, body, size)
+        builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body), reader)
+        return await self.generate(request, call, [accepted], builder, bool(body.stream), names)
+
+    async def accept_chat(self, request: Request, body: ChatCompletionRequest, size: int
+                          ) -> tuple[AcceptedRequest, OutputReader | None, FieldNames]:
+        """A chat request made ready for the engine: its messages rendered by the model's chat template, its
+        fields checked; with how its output is read (reasoning, calls) and how its errors name its fields.
+        The other chat APIs (Anthropic's Messages, OpenAI's Responses) come here as a `ChatCompletionRequest`."""
         template = self._chat_template()
         facts = self.serving.model
         conversation, tools = body.conversation(), body.tool_use(template.source)
@@ -150,14 +160,13 @@ class HttpFront:
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         accepted = self._accept(fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
-        builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body),
-                              output_reader(template.source, text, tools, constraint is not None))
-        return await self._generate(request, call, [accepted], builder, bool(body.stream), names)
+        return accepted, output_reader(template.source, text, tools, constraint is not None), names
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
-                        builder: ResponseBuilder, stream: bool, names: FieldNames) -> Response:
+    async def generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
+                       builder: BodyBuilder, stream: bool, names: FieldNames) -> Response:
+        """Run the accepted requests; the answer is `builder`'s body, whole or as its stream of events."""
         try:
             # the engine checks them; a response sent whole needs their events only at the end
             generation = await Generation.start(self.serving, call, accepted_requests, whole=not stream)
@@ -184,24 +193,24 @@ class HttpFront:
         headers = {"X-Request-Id": accepted_requests[0].request_id}
         request0 = accepted_requests[0].request
         scored = call.tokens + (builder.prompt_tokens * builder.n if request0.prompt_logprobs is not None else 0)
-        if scored * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
+        if isinstance(builder, ResponseBuilder) and \
+                scored * (1 + (request0.top_logprobs if request0.logprobs else 0)) > LARGE_RESPONSE_ENTRIES:
             return self._ok(call, StreamingResponse(json_pieces(builder.response()), media_type="application/json",
                                                     headers=headers))
         return self._ok(call, JSONResponse(builder.response(), headers=headers))
 
-    async def _events(self, generation: Generation, builder: ResponseBuilder, outcome: dict[str, str]):
-        """The SSE body. An error after the stream began is sent as an `error` event, then [DONE]. A client
-        that goes away ends it where it is (Starlette cancels it), its outcome left at 499."""
+    async def _events(self, generation: Generation, builder: BodyBuilder, outcome: dict[str, str]):
+        """The SSE body. An error after the stream began is sent as the builder's error event. A client that
+        goes away ends it where it is (Starlette cancels it), its outcome left at 499."""
         try:
-            if isinstance(builder, ChatBuilder):
-                for chunk in builder.role_chunks():
-                    yield chunk
+            for chunk in builder.stream_head():
+                yield chunk
             async for index, events in generation.events():
                 for chunk in builder.chunks(index, events):
                     yield chunk
-            if builder.include_usage:
-                builder.cached_tokens = generation.cached_prompt_tokens
-                yield builder.usage_chunk()
+            builder.cached_tokens = generation.cached_prompt_tokens
+            for chunk in builder.stream_tail():
+                yield chunk
             outcome["code"] = "200"
         except Exception as e:  # the stream has begun (200 sent): its end is an error event
             status = http_status_for(e)
@@ -210,8 +219,8 @@ class HttpFront:
                 log.error("stream ended early: %s: %s", status.message, internal_detail(e), exc_info=e)
             else:
                 log.info("stream ended early: %s %s", status.status, status.message)
-            yield sse(error_body(status))
-        yield DONE
+            for chunk in builder.stream_error(status):
+                yield chunk
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -264,7 +273,8 @@ class HttpFront:
         call.finished("200", True)
         return response
 
-    def _failed(self, call: Call, error: Exception) -> Response:
+    def _failed(self, call: Call, error: Exception,
+                errors: Callable[[HttpStatus], Response] = error_response) -> Response:
         if isinstance(error, HttpError):
             status = error.status
         else:
@@ -275,7 +285,7 @@ class HttpFront:
         elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
             log.info("http %s %d: %s", call.method, status.status, status.message)
         call.finished(str(status.status), False)
-        return error_response(status)
+        return errors(status)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

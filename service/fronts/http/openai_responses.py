@@ -19,7 +19,9 @@ from typing import Any
 from service.engine.request import FinishReason, TokenEvent
 from service.fronts.chat_output import OutputReader
 from service.fronts.draft_counts import DraftCounts
-from service.fronts.http.response_streams import sse
+from service.fronts.http.errors import error_body
+from service.fronts.http.response_streams import DONE, sse
+from service.fronts.status import HttpStatus
 from service.fronts.token_texts import TokenTexts
 from service.fronts.tool_calls import ParsedMessage
 from service.fronts.validation import AcceptedRequest
@@ -156,6 +158,16 @@ class ResponseBuilder:
         body["usage"] = self.usage()
         return sse(body)
 
+    def stream_head(self) -> list[bytes]:
+        return []
+
+    def stream_tail(self) -> list[bytes]:
+        """The usage chunk when the request asked for it, then [DONE]."""
+        return [self.usage_chunk(), DONE] if self.include_usage else [DONE]
+
+    def stream_error(self, status: HttpStatus) -> list[bytes]:
+        return [sse(error_body(status)), DONE]
+
 
 class CompletionBuilder(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
@@ -223,7 +235,7 @@ class ChatBuilder(ResponseBuilder):
         for target in targets:
             target.append(entry)
 
-    def role_chunks(self) -> list[bytes]:
+    def stream_head(self) -> list[bytes]:
         """The first chunk of each choice: its role (and no content yet when it may be calls instead)."""
         content = None if self.reader and self.reader.tools else ""
         return [sse(self.envelope([{"index": c.index, "delta": {"role": "assistant", "content": content},

@@ -1,5 +1,6 @@
 """How a response body goes out when it is not one JSON write: as server-sent events, or as a large JSON
-body encoded a choice at a time. The bodies themselves are `openai_responses`'.
+body encoded a choice at a time. The bodies themselves are their builders' (`BodyBuilder`: OpenAI's in
+`openai_responses`).
 
     yield sse(chunk) ... yield DONE                           # inside an SSEResponse(content, cleanup, headers)
     StreamingResponse(json_pieces(response), media_type="application/json")
@@ -10,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import StreamingResponse
+
+from service.engine.request import TokenEvent
+from service.fronts.status import HttpStatus
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,6 +35,25 @@ async def json_pieces(response: dict[str, Any]) -> AsyncIterator[bytes]:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class BodyBuilder(Protocol):
+    """An API's answer, built from the engine's events: whole (`add`, then `response`) or as a stream (`stream_head`,
+    `chunks` as events come, `stream_tail`; `stream_error` when the stream fails after it began)."""
+
+    cached_tokens: int  # prompt tokens found in the prefix cache: set before `response` and `stream_tail`
+
+    def add(self, stream_index: int, events: list[TokenEvent]) -> None: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+    def stream_head(self) -> list[bytes]: ...
+
+    def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]: ...
+
+    def stream_tail(self) -> list[bytes]: ...
+
+    def stream_error(self, status: HttpStatus) -> list[bytes]: ...
 
 
 def sse(obj: dict[str, Any]) -> bytes:
