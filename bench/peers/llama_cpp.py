@@ -76,17 +76,25 @@ def llama_type(precision: str) -> str:
 
 
 def converter_input(hf_dir: Path, work: Path) -> Path:
-    """`hf_dir`, or a local converter config: a linked copy whose config.json has the `n_ctx` GPT-2 needs."""
+    """`hf_dir`, or a linked copy with what the converter needs added: the `n_ctx` GPT-2's config lacks, and a
+    tokenizer_config.json naming the plain fast tokenizer when there is none (the converter's transformers would
+    otherwise load a Llama checkpoint's tokenizer.json as LlamaTokenizerFast, which adds <s>, </s> and <unk> past
+    the end of the vocabulary)."""
     config = json.loads((hf_dir / "config.json").read_text())
-    if config.get("model_type") != "gpt2" or "n_ctx" in config:
+    gpt2_ctx = config.get("model_type") == "gpt2" and "n_ctx" not in config
+    bare_tokenizer = (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file()
+    if not gpt2_ctx and not bare_tokenizer:
         return hf_dir
-    local = work / f"{hf_dir.name}-n_ctx"
+    local = work / f"{hf_dir.name}-converter"
     shutil.rmtree(local, ignore_errors=True)
     local.mkdir(parents=True)
     for f in hf_dir.iterdir():
         if f.name != "config.json":
             (local / f.name).symlink_to(f.resolve())
-    (local / "config.json").write_text(json.dumps({**config, "n_ctx": config["n_positions"]}, indent=2))
+    (local / "config.json").write_text(json.dumps({**config, "n_ctx": config["n_positions"]} if gpt2_ctx else config,
+                                                  indent=2))
+    if bare_tokenizer:
+        (local / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return local
 
 

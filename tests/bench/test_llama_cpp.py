@@ -44,6 +44,21 @@ def test_a_gpt2_config_without_n_ctx_is_converted_from_a_local_copy_that_has_it(
     assert llama_cpp.converter_input(hf, tmp_path / "work") == hf
 
 
+def test_a_tokenizer_json_alone_is_read_as_the_plain_fast_tokenizer_by_the_converter(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"model_type": "llama", "vocab_size": 32}
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "tokenizer.json").write_text("{}")
+    local = llama_cpp.converter_input(hf, tmp_path / "work")
+    assert json.loads((local / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    assert json.loads((local / "config.json").read_text()) == config
+    assert (local / "tokenizer.json").read_text() == "{}"
+    assert not (hf / "tokenizer_config.json").exists()  # the original is left alone
+    (hf / "tokenizer_config.json").write_text("{}")
+    assert llama_cpp.converter_input(hf, tmp_path / "work") == hf
+
+
 def test_precisions_map_to_llama_cpp_types_and_the_protocol_names():
     assert llama_cpp.llama_type("fp32") == llama_cpp.llama_type("f32") == "f32"
     assert [llama_cpp.PRECISIONS[p][1] for p in ("f32", "f16", "q8_0", "q4_0")] == ["fp32", "f16", "q8_0", "q4_0"]
