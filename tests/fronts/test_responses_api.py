@@ -32,7 +32,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState  # noq
 from openai.types.responses import ResponseStreamEvent  # noqa: E402
 
 from service.client import Client  # noqa: E402
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template  # noqa: E402
+from tests.fronts.server_harness import (  # noqa: E402
+    ServerThread,
+    engine_for,
+    free_port,
+    settings,
+    slowed,
+    with_chat_template,
+)
 from tests.fronts.test_http_api import oai  # noqa: E402
 from tests.fronts.test_reasoning import SERVER_TEMPLATE as REASONING_TEMPLATE  # noqa: E402
 from tests.fronts.test_structured_output import Pet  # noqa: E402
@@ -343,6 +350,21 @@ def test_the_model_is_checked_and_nothing_is_stored(api):
         with pytest.raises(openai.NotFoundError) as e:
             ask("resp_1")
         assert e.value.body["param"] == "response_id" and "stateless" in e.value.body["message"]
+
+
+def test_the_token_guards_it_and_a_stream_that_fails_ends_with_response_failed(engine_bundle, tmp_path):
+    bundle = with_chat_template(engine_bundle, tmp_path, TEMPLATE)
+    s = settings(bundle, http_port=free_port(), auth_token="s3cret", warmup=False)
+    with ServerThread(s, engine=engine_for(s, slowed(0.05))) as srv:
+        with oai(srv, key="wrong") as api, pytest.raises(openai.AuthenticationError):
+            api.responses.create(model="", input="Rain?", max_output_tokens=2)
+        with oai(srv, key="s3cret") as api:
+            stream_events = list(api.responses.create(model="", input="Rain?", max_output_tokens=100, temperature=0,
+                                                      stream=True, extra_headers={"X-Request-Timeout": "0.3"}))
+    types = [e.type for e in stream_events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-2:] == ["error", "response.failed"]
+    assert stream_events[-2].code == "timeout" and stream_events[-1].response.status == "failed"
+    assert stream_events[-1].response.error.code == "timeout"
 
 
 # ---- live: tools ------------------------------------------------------------------------------------------
