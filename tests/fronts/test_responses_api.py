@@ -493,3 +493,75 @@ def test_a_field_the_table_does_not_list_is_refused_by_name(api, field):
     with pytest.raises(openai.BadRequestError) as e:
         post(api, {field: 1})
     assert e.value.body["param"] == field and "not a field this server implements" in e.value.body["message"]
+
+
+# ---- fuzz -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_no_responses_body_gets_a_5xx(chat_server):
+    """Whatever JSON arrives in whatever field or item: a 200 (whole, or a stream that ends with a terminal
+    event) or a 4xx in OpenAI's shape, never a 5xx; the server stays healthy."""
+    pytest.importorskip("hypothesis", reason="hypothesis is a development tool the serving lane does not install")
+    httpx2 = pytest.importorskip("httpx2")
+    from hypothesis import HealthCheck, given
+    from hypothesis import settings as hsettings
+    from hypothesis import strategies as st
+
+    from tests.fronts.test_http_fuzz import json_values
+
+    def maybe(strategy):
+        return st.one_of(strategy, json_values)
+
+    parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"])},
+                                           optional={"text": maybe(st.text(max_size=10))}), max_size=2)
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"])},
+                              optional={"type": st.sampled_from(["message", "x"]),
+                                        "content": maybe(st.one_of(st.text(max_size=20), parts))}),
+        st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+            "call_id": maybe(st.just("c1")), "name": maybe(st.sampled_from(["f", "g"])),
+            "arguments": maybe(st.sampled_from(['{"a": 1}', "[]", "{", ""]))}),
+        st.fixed_dictionaries({"type": st.just("function_call_output")},
+                              optional={"call_id": maybe(st.just("c1")), "output": maybe(st.text(max_size=10))}),
+        st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"])},
+                              optional={"summary": json_values, "content": maybe(st.lists(st.fixed_dictionaries(
+                                  {"type": st.just("reasoning_text"), "text": st.text(max_size=10)}), max_size=2))}),
+        json_values)
+    fields = {
+        "model": st.one_of(st.none(), st.just(""), st.text(max_size=12)),
+        "input": maybe(st.one_of(st.text(max_size=40), st.lists(item, max_size=4))),
+        "instructions": maybe(st.text(max_size=20)),
+        "max_output_tokens": maybe(st.integers(-2, 8)),
+        "temperature": maybe(st.floats(-1, 3)), "top_p": maybe(st.floats(-0.5, 1.5)),
+        "tools": maybe(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                       "name": st.one_of(st.sampled_from(["f", "g"]), st.text(max_size=8))},
+                                                      optional={"parameters": json_values}), max_size=2)),
+        "tool_choice": maybe(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}])),
+        "parallel_tool_calls": maybe(st.booleans()),
+        "text": maybe(st.fixed_dictionaries({"format": maybe(st.one_of(
+            st.just({"type": "json_object"}), st.just({"type": "text"}),
+            st.fixed_dictionaries({"type": st.just("json_schema"), "name": st.just("x"), "schema": json_values})))})),
+        "reasoning": maybe(st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "x"])})),
+        "stream": maybe(st.booleans()), "include": json_values, "truncation": json_values, "store": json_values,
+        "metadata": json_values, "user": json_values, "previous_response_id": json_values, "unknown_field": json_values,
+    }
+
+    with httpx2.Client(base_url=chat_server.http_url, timeout=120) as h:
+
+        @hsettings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+        @given(st.sets(st.sampled_from(sorted(fields)), max_size=8).flatmap(
+            lambda chosen: st.fixed_dictionaries({name: fields[name] for name in sorted(chosen)})))
+        def one(body):
+            r = h.post("/v1/responses", content=json.dumps(body))
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
+            elif r.headers["content-type"].startswith("text/event-stream"):
+                kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+                assert kinds[-1] in ("response.completed", "response.incomplete"), (body, kinds)
+            else:
+                assert r.json()["status"] in ("completed", "incomplete"), (body, r.text)
+
+        one()
+        assert h.get("/health").status_code == 200
