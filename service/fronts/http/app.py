@@ -2,6 +2,7 @@
 
     POST /v1/completions        prompt: a string, a list of strings, a list of token ids (or of lists)
     POST /v1/chat/completions   messages rendered with the model's chat template
+    POST /v1/responses          OpenAI's Responses API, stateless, served as a chat request (`responses_api`)
     GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
 
@@ -13,6 +14,7 @@ the bearer token is checked before any of it (`bearer_guard`). Nothing a client 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
@@ -32,7 +34,7 @@ from service.fronts.call import Call
 from service.fronts.chat_output import OutputReader, output_reader
 from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
-from service.fronts.http import json_body
+from service.fronts.http import json_body, responses_api
 from service.fronts.http.bearer_guard import BearerGuard
 from service.fronts.http.errors import HttpError, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
@@ -61,6 +63,9 @@ class HttpFront:
         routes = [
             self._route("POST", "/v1/completions", self.completions),
             self._route("POST", "/v1/chat/completions", self.chat_completions),
+            self._route("POST", "/v1/responses", functools.partial(responses_api.create, self)),
+            self._route("GET", "/v1/responses/{response_id}", responses_api.not_stored),
+            self._route("DELETE", "/v1/responses/{response_id}", responses_api.not_stored),
             self._route("GET", "/v1/models", self.models),
             self._route("GET", "/v1/models/{model:path}", self.model),
             Route("/health", self.health, methods=["GET"]),
