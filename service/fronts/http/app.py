@@ -40,7 +40,8 @@ from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder,
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
-from service.fronts.http.structured import constraint_of
+from service.fronts.http.structured import after_reasoning, constraint_of
+from service.fronts.reasoning import output_start
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
 from service.fronts.validation import AcceptedRequest, accept, check_text_fits, usable_prompt_ids
@@ -131,7 +132,7 @@ class HttpFront:
         facts = self.serving.model
         conversation, tools = body.conversation(), body.tool_use(template.source)
         constraint, constraint_field = constraint_of(body, tools)
-        names = chat_names(body, constraint_field)
+        names = chat_names(body, constraint_field or "max_reasoning_chars")  # which alone may set a grammar
 
         def render() -> tuple[str, list[int]]:
             try:
@@ -145,13 +146,15 @@ class HttpFront:
         text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
         if not ids:
             raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
+        start = output_start(template.source, text)
+        constraint = after_reasoning(constraint, start, body.max_reasoning_chars)
         fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                   "top_logprobs": body.top_logprobs or 0, "logprobs": bool(body.logprobs), "constraint": constraint}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         accepted = self._accept(fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
         builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body),
-                              output_reader(template.source, text, tools, constraint is not None))
+                              output_reader(start, tools))
         return await self._generate(request, call, [accepted], builder, bool(body.stream), names)
 
     # ---- generation -----------------------------------------------------------------------------

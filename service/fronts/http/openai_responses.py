@@ -6,7 +6,8 @@ as OpenAI numbers them. Each choice's text is the concatenation of its events' t
 detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`;
 with `echo` and logprobs, the prompt's tokens and their logprobs come first (in a stream, in the first chunk).
 A chat request with tools, or for a model that writes reasoning sections, reads each choice's text into
-`reasoning_content`, content and `tool_calls` (`service.fronts.chat_output`), whole or as it streams.
+`reasoning_content` (and `reasoning`, the same text), content and `tool_calls` (`service.fronts.chat_output`),
+whole or as it streams.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, drafts
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": drafts.accepted,
                                           "rejected_prediction_tokens": drafts.rejected}}
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's reasoning under both names clients read: vLLM's `reasoning_content` and `reasoning`."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 @dataclass
@@ -247,9 +253,9 @@ class ChatBuilder(ResponseBuilder):
                             "finish_reason": finish_reason}, self.choices[index])
 
     def _delta(self, index: int, piece: ParsedMessage) -> dict[str, Any]:
-        """A piece of a message as OpenAI streams it (with vLLM's `reasoning_content`): its reasoning, its content,
-        and its calls numbered from the choice's first."""
-        delta: dict[str, Any] = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
+        """A piece of a message as OpenAI streams it (with the reasoning as vLLM's `reasoning_content` and as
+        `reasoning`): its reasoning, its content, and its calls numbered from the choice's first."""
+        delta: dict[str, Any] = reasoning_fields(piece.reasoning) if piece.reasoning else {}
         if piece.content:
             delta["content"] = piece.content
         if piece.calls:
@@ -266,7 +272,7 @@ class ChatBuilder(ResponseBuilder):
         parsed = self.reader.parse(text)
         message = {"role": "assistant", "content": parsed.content}
         if self.reader.reasoning:
-            message["reasoning_content"] = parsed.reasoning
+            message.update(reasoning_fields(parsed.reasoning))
         if not parsed.calls:
             return message, choice.finish_reason
         return {**message, "tool_calls": [call.openai() for call in parsed.calls]}, "tool_calls"

@@ -221,6 +221,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    max_reasoning_chars: StrictInt | None = None  # the reasoning section's bound, by the grammar (attnserve's)
     # OpenAI's, accepted and without effect here (docs/api.md)
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -242,6 +243,8 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequest("modalities", "only [\"text\"] is served")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        if self.max_reasoning_chars is not None and self.max_reasoning_chars < 1:
+            raise InvalidRequest("max_reasoning_chars", f"{self.max_reasoning_chars} is outside [1, inf)")
 
     def _check_tools(self) -> None:
         names: dict[str, int] = {}
