@@ -3,6 +3,7 @@
     POST /v1/completions        prompt: a string, a list of strings, a list of token ids (or of lists)
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
+    POST /tokenize, /detokenize vLLM's: a text or a chat to token ids, and back (`tokenize`)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
 
 The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
@@ -34,6 +35,7 @@ from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
 from service.fronts.http.bearer_guard import BearerGuard
+from service.fronts.http.chat_prompt import render_prompt
 from service.fronts.http.errors import HttpError, error_body, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
@@ -41,10 +43,11 @@ from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionR
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.response_streams import DONE, SSEResponse, json_pieces, sse
 from service.fronts.http.structured import after_reasoning, constraint_of
+from service.fronts.http.tokenize import Tokenization
 from service.fronts.reasoning import output_start
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
-from service.fronts.validation import AcceptedRequest, accept, check_text_fits, usable_prompt_ids
+from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("attnserve.server")
@@ -59,11 +62,14 @@ class HttpFront:
     def __init__(self, serving: ServingContext, token: str | None = None):
         self.serving = serving
         self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
+        tokenization = Tokenization(serving, self._chat_template)
         routes = [
             self._route("POST", "/v1/completions", self.completions),
             self._route("POST", "/v1/chat/completions", self.chat_completions),
             self._route("GET", "/v1/models", self.models),
             self._route("GET", "/v1/models/{model:path}", self.model),
+            self._route("POST", "/tokenize", tokenization.tokenize),
+            self._route("POST", "/detokenize", tokenization.detokenize),
             Route("/health", self.health, methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
@@ -134,16 +140,8 @@ class HttpFront:
         constraint, constraint_field = constraint_of(body, tools)
         names = chat_names(body, constraint_field or "max_reasoning_chars")  # which alone may set a grammar
 
-        def render() -> tuple[str, list[int]]:
-            try:
-                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt,
-                                       tools=tools.tools if tools else None, **(body.chat_template_kwargs or {}))
-            except ChatTemplateError as e:
-                raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
-            check_text_fits("messages", text, facts)
-            return text, facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
-
-        text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
+        text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, lambda: render_prompt(
+            template, body, conversation, tools.tools if tools else None, facts))
         if not ids:
             raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
         start = output_start(template.source, text)

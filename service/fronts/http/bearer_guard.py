@@ -9,7 +9,8 @@ from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus
 
 OPEN_PATHS = frozenset({"/health"})
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")  # metric labels; others are "other"
+# metric labels; others are "other"
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health")
 
 
 class BearerGuard:
