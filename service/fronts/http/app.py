@@ -164,6 +164,7 @@ class HttpFront:
             generation = await Generation.start(self.serving, call, accepted_requests, whole=not stream)
         except InvalidRequest as e:
             raise names.renamed(e) from None
+        builder.timings_of = generation.timings
         if stream:
             outcome = {"code": "499"}  # until the stream ends otherwise: the client went away
 
@@ -181,7 +182,6 @@ class HttpFront:
             return Response(status_code=499)
         finally:
             generation.close()
-        builder.cached_tokens = generation.cached_prompt_tokens
         headers = {"X-Request-Id": accepted_requests[0].request_id}
         request0 = accepted_requests[0].request
         scored = call.tokens + (builder.prompt_tokens * builder.n if request0.prompt_logprobs is not None else 0)
@@ -201,7 +201,6 @@ class HttpFront:
                 for chunk in builder.chunks(index, events):
                     yield chunk
             if builder.include_usage:
-                builder.cached_tokens = generation.cached_prompt_tokens
                 yield builder.usage_chunk()
             outcome["code"] = "200"
         except Exception as e:  # the stream has begun (200 sent): its end is an error event

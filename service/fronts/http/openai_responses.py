@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.request import FinishReason, TokenEvent
+from service.engine.sequence import Timing
 from service.fronts.chat_output import OutputReader
 from service.fronts.draft_counts import DraftCounts
 from service.fronts.http.response_streams import sse
+from service.fronts.http.timings import timings
 from service.fronts.token_texts import TokenTexts
 from service.fronts.tool_calls import ParsedMessage
 from service.fronts.validation import AcceptedRequest
@@ -74,7 +77,8 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.choices = [Choice(p * self.n + j) for p in range(len(accepted_requests)) for j in range(self.n)]
         self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in accepted_requests)
-        self.cached_tokens = 0  # of those, found in the prefix cache: set when the generation ends
+        self.timings_of: Callable[[], list[Timing]] = list  # each request's timing so far: set once they run
+        self.last_token_at: float | None = None  # the engine's time of the latest token
         self.drafts = DraftCounts()  # speculative decoding's, over the choices that have ended
         self.want_logprobs = accepted_requests[0].want_logprobs
         self.logprobs = [self._new_logprobs() for _ in self.choices]  # each choice's, whole
@@ -96,6 +100,7 @@ class ResponseBuilder:
         touched: dict[int, tuple[list[str], Any]] = {}
         self.drafts.add(events)
         for e in events:
+            self.last_token_at = e.time if self.last_token_at is None else max(self.last_token_at, e.time)
             c = self.choice(stream_index, e)
             delta, lp = touched.setdefault(c.index, ([], self._new_logprobs() if self.want_logprobs else None))
             accepted = self.accepted_requests[stream_index]
@@ -134,9 +139,13 @@ class ResponseBuilder:
         raise NotImplementedError
 
     def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
-        """Fold events in; one SSE chunk per choice they touch (and have something to send for)."""
+        """Fold events in; one SSE chunk per choice they touch (and have something to send for). Without a usage
+        chunk to come, the chunk that ends the last choice carries the `timings`."""
         entries = [self._chunk_choice(index, text, lp) for index, (text, lp) in self._add(stream_index, events).items()]
-        return [sse(self.envelope([entry], chunk=True)) for entry in entries if entry is not None]
+        bodies = [self.envelope([entry], chunk=True) for entry in entries if entry is not None]
+        if bodies and not self.include_usage and all(c.finish_reason is not None for c in self.choices):
+            bodies[-1]["timings"] = self.timings()
+        return [sse(body) for body in bodies]
 
     def choice(self, stream_index: int, event: TokenEvent) -> Choice:
         return self.choices[stream_index * self.n + event.index]
@@ -145,14 +154,25 @@ class ResponseBuilder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache supplied, over every prompt."""
+        return sum(t.cached_tokens for t in self.timings_of())
+
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.drafts)
+
+    def timings(self) -> dict[str, Any]:
+        """llama.cpp's `timings` of the call so far (`service.fronts.http.timings`)."""
+        return timings(self.timings_of(), self.last_token_at, self.prompt_tokens, self.completion_tokens,
+                       self.drafts)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
                 "created": self.created, "model": self.model, "choices": choices}
         if not chunk:
             body["usage"] = self.usage()
+            body["timings"] = self.timings()
         elif self.include_usage:
             body["usage"] = None
         return body
@@ -160,6 +180,7 @@ class ResponseBuilder:
     def usage_chunk(self) -> bytes:
         body = self.envelope([], chunk=True)
         body["usage"] = self.usage()
+        body["timings"] = self.timings()
         return sse(body)
 
 
