@@ -21,7 +21,7 @@ def output_reader(start: SectionStart | None, tools: ToolUse | None) -> OutputRe
     """How a chat request's output is read: for calls when it has tools; for a reasoning section when it may
     write one (`start`: `service.fronts.reasoning.output_start`), constrained or not (a constraint applies after
     the section); None when neither."""
-    reasoning = ReasoningParser(start == "inside") if start is not None else None
+    reasoning = ReasoningParser(start) if start is not None else None
     if tools is None and reasoning is None:
         return None
     return OutputReader(tools.parser if tools else None, reasoning)

@@ -1,8 +1,8 @@
 """Reasoning sections in a chat model's output: the `<think>…</think>` a reasoning model writes before its
 answer (Qwen3, SmolLM3, DeepSeek-R1), read apart from the answer, whole or as it streams.
 
-    start = output_start(template.source, prompt)  # "inside" a section, "before" one, or None: no section
-    parser = ReasoningParser(start == "inside")    # when start is not None
+    start = output_start(template.source, prompt)  # "inside", "before" or "after" a section; None: no sections
+    parser = ReasoningParser(start)                # when start is not None
     message = parser.parse(text)                   # ParsedMessage(content, reasoning=...)
     stream = parser.stream()
     piece = stream.feed(delta) ... stream.finish() # the pieces add up to parse()
@@ -30,7 +30,7 @@ from typing import Literal
 from service.fronts.tool_formats.base import ParsedMessage, partial_tag, read_whole
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-SectionStart = Literal["inside", "before"]
+SectionStart = Literal["inside", "before", "after"]
 
 
 def template_reasons(source: str) -> bool:
@@ -45,10 +45,12 @@ def opens_reasoning(prompt: str) -> bool:
 
 
 def output_start(template_source: str, prompt: str) -> SectionStart | None:
-    """Where a chat output starts: "inside" a reasoning section its prompt opened, "before" one it may open,
-    or None when there is none to write (the template writes none, or the prompt ends with a closed one)."""
-    if not template_reasons(template_source) or prompt.rstrip().endswith(THINK_CLOSE):
+    """Where a chat output starts: "inside" a reasoning section its prompt opened, "after" one its prompt
+    closed (all answer), "before" one it may open; None when its template writes no sections."""
+    if not template_reasons(template_source):
         return None
+    if prompt.rstrip().endswith(THINK_CLOSE):
+        return "after"
     return "inside" if opens_reasoning(prompt) else "before"
 
 
@@ -57,7 +59,7 @@ def reasoning_lead(start: SectionStart | None, max_chars: int | None = None) -> 
     section's text up to the first `</think>` (a lazy lexeme) and the whitespace after it; required `inside` a
     section, optional `before` one. With `max_chars`, the section's text is at most that many characters, after
     which `</think>` is all the grammar allows."""
-    if start is None:
+    if start is None or start == "after":
         return ""
     text = "(?s:.*)" if max_chars is None else f"(?s:.{{0,{max_chars}}})"
     return "\n".join([
@@ -68,13 +70,13 @@ def reasoning_lead(start: SectionStart | None, max_chars: int | None = None) -> 
 
 
 class ReasoningParser:
-    """Reads the reasoning section out of outputs whose prompt left the model inside one (`inside`) or not."""
+    """Reads the reasoning section out of outputs that start where `start` says (`output_start`)."""
 
-    def __init__(self, inside: bool = False):
-        self.inside = inside
+    def __init__(self, start: SectionStart = "before"):
+        self.start = start
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.inside)
+        return ReasoningStream(self.start)
 
     def parse(self, text: str) -> ParsedMessage:
         return read_whole(self.stream(), text)
@@ -84,8 +86,10 @@ class ReasoningStream:
     """Answer text is sent as it comes; reasoning too, but for what may begin `</think>` and trailing
     whitespace, held until more reasoning follows."""
 
-    def __init__(self, inside: bool):
-        self.mode: Literal["start", "reasoning", "after", "answer"] = "reasoning" if inside else "start"
+    def __init__(self, start: SectionStart):
+        modes: dict[SectionStart, Literal["start", "reasoning", "answer"]] = {
+            "before": "start", "inside": "reasoning", "after": "answer"}
+        self.mode: Literal["start", "reasoning", "after", "answer"] = modes[start]
         self.held = ""
         self.reasoned = False  # reasoning other than whitespace has been sent
 

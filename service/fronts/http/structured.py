@@ -41,7 +41,7 @@ def after_reasoning(constraint: Constraint | None, start: SectionStart | None,
     `service.fronts.reasoning.output_start` reads the prompt), never on the section itself. With `max_chars`, the
     section is bounded by the grammar, so an output without a constraint gets one: the bounded section, then any
     text."""
-    if start is None:
+    if start is None or start == "after":  # no section to write
         return constraint
     if constraint is None:
         if max_chars is None:
