@@ -31,6 +31,7 @@ from service.fronts.tool_formats.base import ParsedMessage, partial_tag, read_wh
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SectionStart = Literal["inside", "before", "after"]
+MAX_REASONING_CHARS = 100_000  # the largest bound a grammar takes on a section (each character is a lexer state)
 
 
 def template_reasons(source: str) -> bool:

@@ -276,8 +276,9 @@ def test_an_unconstrained_section_is_bounded_by_max_reasoning_chars(reasoning_se
     message = bounded["choices"][0]["message"]
     assert len(message["reasoning_content"] or "") <= 4
     assert len(free["reasoning_content"] or "") > 4  # the tiny model does not close its section on its own
-    refused = post(reasoning_server, "/v1/chat/completions", {**body, "max_reasoning_chars": 0})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_reasoning_chars"
+    for bad in (0, 100_001):
+        refused = post(reasoning_server, "/v1/chat/completions", {**body, "max_reasoning_chars": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_reasoning_chars"
 
 
 @pytest.mark.parametrize("thinking", [True, False])

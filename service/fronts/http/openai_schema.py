@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
+from service.fronts.reasoning import MAX_REASONING_CHARS
 from service.fronts.tool_calls import ToolUse
 
 Number = StrictInt | StrictFloat
@@ -299,8 +300,9 @@ class ChatCompletionRequest(ChatPrompt, SamplingFields):
             raise InvalidRequest("modalities", "only [\"text\"] is served")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
-        if self.max_reasoning_chars is not None and self.max_reasoning_chars < 1:
-            raise InvalidRequest("max_reasoning_chars", f"{self.max_reasoning_chars} is outside [1, inf)")
+        if self.max_reasoning_chars is not None and not 1 <= self.max_reasoning_chars <= MAX_REASONING_CHARS:
+            raise InvalidRequest("max_reasoning_chars", f"{self.max_reasoning_chars} is outside "
+                                 f"[1, {MAX_REASONING_CHARS}]")
 
     def tool_use(self, template_source: str) -> ToolUse | None:
         """What the tools ask of this generation; None without tools or with tool_choice "none"."""
