@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from service.engine.grammar import Grammars, allowed  # noqa: E402
 from service.engine.request import Constraint  # noqa: E402
+from service.fronts.http.structured import after_reasoning  # noqa: E402
 from service.fronts.reasoning import THINK_CLOSE, ReasoningParser, reasoning_lead  # noqa: E402
 from service.fronts.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser, call_grammar  # noqa: E402
 from service.runtime.tokenizer import Tokenizer  # noqa: E402
@@ -137,3 +138,17 @@ def test_a_reasoning_lead_comes_before_the_constrained_answer(vocabulary, start,
         assert len(message.reasoning or "") <= 12, text
         assert (THINK_CLOSE in text) if start == "inside" else (text.lstrip().startswith("<think>") or
                                                                 check(text, family)), text
+
+
+@pytest.mark.parametrize("start", ["inside", "before"])
+def test_a_bounded_section_before_free_text_stays_bounded(vocabulary, start):
+    """`max_reasoning_chars` without a constraint: the section is bounded, and the free answer after it cannot
+    open another (a `<think>` there would start an unbounded one)."""
+    _, hf, eos, grammars, closers = vocabulary
+    constraint = after_reasoning(None, start, 12)
+    for seed in range(4):
+        tokens, _ = walk(grammars, constraint, eos, closers, seed)
+        text = hf.decode(tokens, skip_special_tokens=False)
+        message = ReasoningParser(start).parse(text)
+        assert len(message.reasoning or "") <= 12, text
+        assert not (message.content or "").lstrip().startswith("<think>"), text

@@ -22,7 +22,9 @@ from service.fronts.http.openai_schema import SamplingFields
 from service.fronts.reasoning import SectionStart, reasoning_lead
 from service.fronts.tool_calls import ToolUse
 
-ANY_TEXT = "(?s:.*)"  # the answer of an output constrained only for its reasoning section's bound
+# the answer of an output constrained only for its reasoning section's bound: any text that does not open a
+# section (else a `<think>` could begin the answer, and the section in it would be unbounded)
+ANY_ANSWER = "start: ANSWER\nANSWER: /(?s:.*)/ & ~/[ \\t\\r\\n]*<think>(?s:.*)/"
 
 
 def constraint_of(body: SamplingFields, tools: ToolUse | None = None) -> tuple[Constraint | None, str]:
@@ -46,7 +48,7 @@ def after_reasoning(constraint: Constraint | None, start: SectionStart | None,
     if constraint is None:
         if max_chars is None:
             return None
-        constraint = Constraint("regex", ANY_TEXT)
+        constraint = Constraint("grammar", ANY_ANSWER)
     return replace(constraint, lead=reasoning_lead(start, max_chars))
 
 
