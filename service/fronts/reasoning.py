@@ -66,8 +66,8 @@ def reasoning_lead(start: SectionStart | None, max_chars: int | None = None) -> 
     return "\n".join([
         "lead: think_text GAP?" if start == "inside" else "lead: (THINK_OPEN think_text GAP?)?",
         f'think_text[lazy]: /{text}/ "{THINK_CLOSE}"',
-        r"THINK_OPEN: /[ \t\r\n]*<think>/",
-        r"GAP: /[ \t\r\n]+/"])
+        r"THINK_OPEN: /\s*<think>/",
+        r"GAP: /\s+/"])
 
 
 class ReasoningParser:

@@ -24,7 +24,7 @@ from service.fronts.tool_calls import ToolUse
 
 # the answer of an output constrained only for its reasoning section's bound: any text that does not open a
 # section (else a `<think>` could begin the answer, and the section in it would be unbounded)
-ANY_ANSWER = "start: ANSWER\nANSWER: /(?s:.*)/ & ~/[ \\t\\r\\n]*<think>(?s:.*)/"
+ANY_ANSWER = "start: ANSWER\nANSWER: /(?s:.*)/ & ~/\\s*<think>(?s:.*)/"
 
 
 def constraint_of(body: SamplingFields, tools: ToolUse | None = None) -> tuple[Constraint | None, str]:
