@@ -97,7 +97,7 @@ class Tokenization:
             return render_prompt(template, body, body.conversation(), body.tool_specs() or None, facts,
                                  body.add_special_tokens)[1]
 
-        tokens = await asyncio.to_thread(ids) if size > json_body.OFF_LOOP_BYTES else ids()
+        tokens = await asyncio.to_thread(ids) if size > json_body.OFF_LOOP_BYTES else ids()  # large: off the loop
         answer: dict[str, Any] = {"count": len(tokens), "max_model_len": self.serving.ready().context,
                                   "tokens": tokens}
         if body.return_token_strs:
@@ -107,12 +107,14 @@ class Tokenization:
 
     async def detokenize(self, request: Request, call: Call) -> Response:
         self.serving.ready()
-        data, _ = await read_json(request, self.serving)
+        data, size = await read_json(request, self.serving)
         body = checked(Detokenize, data, self.serving)
         tokenizer = self.serving.model.tokenizer
         for i, token in enumerate(body.tokens):
             if not 0 <= token < tokenizer.vocab_size:
                 raise InvalidRequest(f"tokens[{i}]", f"{token} is outside [0, {tokenizer.vocab_size - 1}] (the "
                                      "tokenizer's vocabulary)")
+        heavy = size > json_body.OFF_LOOP_BYTES
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens) if heavy else tokenizer.decode(body.tokens)
         call.finished("200", True)
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": text})
