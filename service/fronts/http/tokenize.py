@@ -88,12 +88,12 @@ class Tokenization:
         data, size = await read_json(request, self.serving)
         body = checked(tokenize_schema(data), data, self.serving)
         facts = self.serving.model
+        template = self.chat_template() if isinstance(body, TokenizeChat) else None
 
         def ids() -> list[int]:
-            if isinstance(body, TokenizePrompt):
+            if template is None:
                 check_text_fits("prompt", body.prompt, facts)
                 return facts.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            template = self.chat_template()
             return render_prompt(template, body, body.conversation(), body.tool_specs() or None, facts,
                                  body.add_special_tokens)[1]
 
