@@ -31,6 +31,7 @@ from service.fronts.tool_formats.base import ParsedMessage, partial_tag, read_wh
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SectionStart = Literal["inside", "before", "after"]
+MAX_GAP = 4  # whitespace a constrained output may write around its section (unbounded, a weak model fills max_tokens)
 MAX_REASONING_CHARS = 100_000  # the largest bound a grammar takes on a section (each character is a lexer state)
 
 
@@ -57,7 +58,8 @@ def output_start(template_source: str, prompt: str) -> SectionStart | None:
 
 def reasoning_lead(start: SectionStart | None, max_chars: int | None = None) -> str:
     """The Lark rule `lead` of a constrained output's reasoning section ("" when it has none to write): the
-    section's text up to the first `</think>` (a lazy lexeme) and the whitespace after it; required `inside` a
+    section's text up to the first `</think>` (a lazy lexeme) and up to MAX_GAP whitespace characters before and
+    after it; required `inside` a
     section, optional `before` one. With `max_chars`, the section's text is at most that many characters, after
     which `</think>` is all the grammar allows."""
     if start is None or start == "after":
@@ -66,8 +68,8 @@ def reasoning_lead(start: SectionStart | None, max_chars: int | None = None) -> 
     return "\n".join([
         "lead: think_text GAP?" if start == "inside" else "lead: (THINK_OPEN think_text GAP?)?",
         f'think_text[lazy]: /{text}/ "{THINK_CLOSE}"',
-        r"THINK_OPEN: /\s*<think>/",
-        r"GAP: /\s+/"])
+        rf"THINK_OPEN: /\s{{0,{MAX_GAP}}}<think>/",
+        rf"GAP: /\s{{1,{MAX_GAP}}}/"])
 
 
 class ReasoningParser:
