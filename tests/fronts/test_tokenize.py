@@ -96,6 +96,8 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     error = error_of(r)
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert error["message"].startswith(param), error
+    if param == "add_generation_prompt":
+        assert "goes with messages" in error["message"]
 
 
 @pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})])

@@ -66,9 +66,18 @@ class Detokenize(BaseModel):
         pass
 
 
+# the fields that go with messages alone, besides messages
+CHAT_ONLY = tuple(name for name in TokenizeChat.model_fields if name not in {*TokenizePrompt.model_fields, "messages"})
+
+
 def tokenize_schema(data: Any) -> type[TokenizePrompt] | type[TokenizeChat]:
     """Which /tokenize body `data` is: a chat when it has `messages`, else a text."""
-    if not isinstance(data, dict) or "messages" not in data:
+    if not isinstance(data, dict):
+        return TokenizePrompt
+    if "messages" not in data:
+        for name in CHAT_ONLY:
+            if name in data:
+                raise InvalidRequest(name, "goes with messages (a chat), not with prompt (a text)")
         return TokenizePrompt
     if "prompt" in data:
         raise InvalidRequest("prompt", "give either prompt (a text) or messages (a chat), not both")
