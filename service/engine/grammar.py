@@ -30,10 +30,25 @@ from service.runtime.tokenizer import Tokenizer
 CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
 JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON, as OpenAI's structured outputs writes it
 ANY_JSON_OBJECT = '{"type": "object"}'
+ANSWER_GRAMMAR = "answer"  # the name of the constrained part's grammar after a lead
 
 
 def grammar_text(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar definition; raises InvalidRequest for malformed input."""
+    answer = _answer_text(constraint)
+    return _after_lead(constraint.lead, answer) if constraint.lead else answer
+
+
+def _after_lead(lead: str, answer: str) -> str:
+    """A grammar of the text `lead`'s rule `lead` matches, then `answer`'s: the answer is a grammar of its own
+    (llguidance's `@name` reference), so it keeps its lexer and options (JSON's whitespace)."""
+    grammars = json.loads(answer)["grammars"] if answer.lstrip().startswith("{") else [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": ANSWER_GRAMMAR}
+    start = {"name": "lead", "lark_grammar": f"start: lead @{ANSWER_GRAMMAR}\n{lead}"}
+    return json.dumps({"grammars": [start, *grammars]})
+
+
+def _answer_text(constraint: Constraint) -> str:
     kind, value = constraint.kind, constraint.value
     if kind == "choice":
         choices = _choices(value)

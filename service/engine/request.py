@@ -163,10 +163,14 @@ class Constraint:
     regex        `value` is a regular expression the whole output matches
     choice       `value` is a JSON list of strings; the output is one of them
     grammar      `value` is a Lark-style EBNF grammar (llguidance's dialect) or a GBNF grammar
+
+    With a `lead`, the output is first what the lead's Lark rule `lead` matches (free text such as a reasoning
+    section, which a front describes), and only then what `kind` and `value` describe.
     """
 
     kind: ConstraintKind
     value: str = ""
+    lead: str = ""  # Lark grammar text (llguidance's dialect) defining the rule `lead`; "": none
 
 
 @dataclass(frozen=True)

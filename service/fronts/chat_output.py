@@ -1,7 +1,7 @@
 """A chat choice's output read into OpenAI's message: the reasoning section apart (`service.fronts.reasoning`),
 then the calls read out of the answer alone (`service.fronts.tool_calls`), whole or as it streams.
 
-    reader = output_reader(template.source, prompt, tool_use, constrained)   # None: the text is all content
+    reader = output_reader(output_start(template.source, prompt), tool_use)   # None: the text is all content
     reader = OutputReader(tool_parser, reasoning_parser)   # either may be None: not read for it
     message = reader.parse(text)                           # ParsedMessage(content, calls, reasoning)
     stream = reader.stream()
@@ -12,17 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.fronts.reasoning import ReasoningParser, ReasoningStream, opens_reasoning, template_reasons
+from service.fronts.reasoning import ReasoningParser, ReasoningStream, SectionStart
 from service.fronts.tool_calls import ParsedMessage, ToolCallParser, ToolUse
 from service.fronts.tool_formats.base import read_whole
 
 
-def output_reader(template_source: str, prompt: str, tools: ToolUse | None, constrained: bool) -> OutputReader | None:
-    """How a chat request's output is read: for calls when it has tools; for a reasoning section when its
-    template mentions `<think>` (or `</think>`) and no constraint shapes the output (a constrained output is
-    all answer, even after a prompt that opened the section); None when neither."""
-    reasoning = ReasoningParser(opens_reasoning(prompt)) if template_reasons(template_source) and not constrained \
-        else None
+def output_reader(start: SectionStart | None, tools: ToolUse | None) -> OutputReader | None:
+    """How a chat request's output is read: for calls when it has tools; for a reasoning section when it may
+    write one (`start`: `service.fronts.reasoning.output_start`), constrained or not (a constraint applies after
+    the section); None when neither."""
+    reasoning = ReasoningParser(start) if start is not None else None
     if tools is None and reasoning is None:
         return None
     return OutputReader(tools.parser if tools else None, reasoning)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from service.engine.async_engine import RequestStream
 from service.engine.errors import Cancelled, EngineError
 from service.engine.request import TokenEvent
+from service.engine.sequence import Timing
 from service.fronts.call import Call
 from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
@@ -89,10 +90,9 @@ class Generation:
         except EngineError as e:
             queue.put_nowait((index, e))
 
-    @property
-    def cached_prompt_tokens(self) -> int:
-        """Prompt tokens the prefix cache supplied, over every prompt of the call."""
-        return sum(stream.timing.cached_tokens for stream in self.streams)
+    def timings(self) -> list[Timing]:
+        """Each prompt's arrival, prefill, first token and cached prompt tokens, as of its latest event."""
+        return [stream.timing for stream in self.streams]
 
     def close(self) -> None:
         """Cancel what still runs and free the slots; count the generation out of the drain."""

@@ -1,7 +1,8 @@
 """The tokens a constraint may emit are decided the same way by the mask and by the matcher, whatever the
 tokenizer's added tokens: an added token that is not special (Qwen2.5's `<tool_call>`) is the text it
 stands for, a special one (`<|im_end|>`, Hermes' `<tool_call>`, Llama 3's `<|python_tag|>`) is never allowed
-inside a constraint, EOS only where the grammar may end.
+inside a constraint, EOS only where the grammar may end. A constraint after a reasoning section (its `lead`) is
+walked the same way.
 
 Every constraint kind is walked token by token with random choices among the allowed ones: each choice
 must be consumed, and the text must match the constraint."""
@@ -19,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from service.engine.grammar import Grammars, allowed  # noqa: E402
 from service.engine.request import Constraint  # noqa: E402
+from service.fronts.http.structured import after_reasoning  # noqa: E402
+from service.fronts.reasoning import THINK_CLOSE, ReasoningParser, reasoning_lead  # noqa: E402
 from service.fronts.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallParser, call_grammar  # noqa: E402
 from service.runtime.tokenizer import Tokenizer  # noqa: E402
 from tests.engine.token_families import FAMILIES, added_ids, with_family_tokens  # noqa: E402
@@ -117,3 +120,35 @@ def test_an_added_token_that_is_not_special_is_the_text_it_stands_for(vocabulary
         assert not first & set(ids.values())
     if HERMES_CLOSE in ids:  # the server's text keeps an added token that is not special, as transformers does
         assert hf.decode([ids[HERMES_CLOSE]], skip_special_tokens=True) == (HERMES_CLOSE if family == "qwen2.5" else "")
+
+
+@pytest.mark.parametrize("start", ["inside", "before"])
+@pytest.mark.parametrize("name", ["json_schema", "required-hermes", "choice"])
+def test_a_reasoning_lead_comes_before_the_constrained_answer(vocabulary, start, name):
+    """A chat constraint after a reasoning section (`service.fronts.reasoning.reasoning_lead`): whatever the
+    walk writes, the section (at most its bound, then `</think>`) reads apart, and the answer matches."""
+    family, hf, eos, grammars, closers = vocabulary
+    constraint, check = constraints()[name]
+    led = Constraint(constraint.kind, constraint.value, reasoning_lead(start, max_chars=12))
+    for seed in range(4):
+        tokens, _ = walk(grammars, led, eos, closers, seed)
+        text = hf.decode(tokens, skip_special_tokens=False)
+        message = ReasoningParser(start).parse(text)
+        assert message.content is not None and check(message.content, family), (start, name, text)
+        assert len(message.reasoning or "") <= 12, text
+        assert (THINK_CLOSE in text) if start == "inside" else (text.lstrip().startswith("<think>") or
+                                                                check(text, family)), text
+
+
+@pytest.mark.parametrize("start", ["inside", "before"])
+def test_a_bounded_section_before_free_text_stays_bounded(vocabulary, start):
+    """`max_reasoning_chars` without a constraint: the section is bounded, and the free answer after it cannot
+    open another (a `<think>` there would start an unbounded one)."""
+    _, hf, eos, grammars, closers = vocabulary
+    constraint = after_reasoning(None, start, 12)
+    for seed in range(4):
+        tokens, _ = walk(grammars, constraint, eos, closers, seed)
+        text = hf.decode(tokens, skip_special_tokens=False)
+        message = ReasoningParser(start).parse(text)
+        assert len(message.reasoning or "") <= 12, text
+        assert not (message.content or "").lstrip().startswith("<think>"), text

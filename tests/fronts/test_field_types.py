@@ -16,6 +16,7 @@ import pytest
 from service.engine.errors import InvalidRequest
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from service.fronts.http.request_body import validated
+from service.fronts.http.tokenize import Detokenize, TokenizeChat, TokenizePrompt
 
 # a valid body of each endpoint that holds every nested model, so that each of their fields is reached
 NESTED = {"stream_options": {"include_usage": True}, "structured_outputs": {"regex": "a"},
@@ -28,6 +29,10 @@ BODIES = {
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": {"type": "function", "function": {"name": "f"}}}),
 }
+CHAT_PROMPT = {"messages": BODIES["chat"][1]["messages"], "tools": BODIES["chat"][1]["tools"],
+               "chat_template_kwargs": {}}
+BODIES |= {"tokenize_prompt": (TokenizePrompt, {"prompt": "hi"}), "tokenize_chat": (TokenizeChat, CHAT_PROMPT),
+           "detokenize": (Detokenize, {"tokens": [1, 2]})}
 # a value of each JSON type, and the words for the type
 SAMPLES = {"string": "0.9", "integer": 2, "number": 1.5, "boolean": True, "object": {"k": 1}, "array": [{"k": 1}]}
 WORDS = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
@@ -89,7 +94,7 @@ def spelled(loc: tuple) -> str:
 def cases() -> Iterator[Any]:
     for endpoint, (schema, body) in BODIES.items():
         json_schema = schema.model_json_schema()
-        for loc, value, alts in wrong_type_cases(json_schema["$defs"], json_schema, body, ()):
+        for loc, value, alts in wrong_type_cases(json_schema.get("$defs", {}), json_schema, body, ()):
             yield pytest.param(schema, body, loc, value, alts, id=f"{endpoint}:{spelled(loc)}={json.dumps(value)}")
 
 
@@ -104,14 +109,16 @@ def test_the_bodies_are_valid_and_reach_every_nested_model(endpoint):
     schema, body = BODIES[endpoint]
     validated(schema, body)
     json_schema = schema.model_json_schema()
-    reached = {spelled(loc[:-1]) for loc, _, _ in wrong_type_cases(json_schema["$defs"], json_schema, body, ())}
-    nested = {"stream_options", "structured_outputs", "response_format", "response_format.json_schema"}
-    if endpoint == "chat":
-        nested |= {"messages[0]", "messages[0].content[0]", "messages[0].tool_calls[0]",
-                   "messages[0].tool_calls[0].function", "tools[0]", "tools[0].function", "tool_choice",
-                   "tool_choice.function"}
+    defs = json_schema.get("$defs", {})
+    reached = {spelled(loc[:-1]) for loc, _, _ in wrong_type_cases(defs, json_schema, body, ())}
+    chat_prompt = {"messages[0]", "messages[0].content[0]", "messages[0].tool_calls[0]",
+                   "messages[0].tool_calls[0].function", "tools[0]", "tools[0].function"}
+    nested = {"completions": set(), "chat": chat_prompt | {"tool_choice", "tool_choice.function"},
+              "tokenize_prompt": set(), "tokenize_chat": chat_prompt, "detokenize": set()}[endpoint]
+    if endpoint in ("completions", "chat"):
+        nested |= {"stream_options", "structured_outputs", "response_format", "response_format.json_schema"}
     assert reached == {""} | nested
-    assert len(nested) == len(json_schema["$defs"])  # a model at each: every model of the body is reached
+    assert len(nested) == len(defs)  # a model at each: every model of the body is reached
 
 
 @pytest.mark.parametrize("schema, body, loc, value, alts", list(cases()))

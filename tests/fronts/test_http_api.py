@@ -395,6 +395,11 @@ def test_the_bearer_token_guards_http_but_not_health(engine_bundle):
             assert api.completions.create(model="", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
         assert raw(srv, "GET", "/health").status_code == 200
         assert raw(srv, "GET", "/v1/models").status_code == 401
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            before = srv.server.metrics.requests.labels("http", path, "401")._value.get()
+            assert raw(srv, "POST", path, body).status_code == 401
+            assert srv.server.metrics.requests.labels("http", path, "401")._value.get() == before + 1
+            assert raw(srv, "POST", path, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
 def test_overload_is_a_429_with_retry_after(engine_bundle):

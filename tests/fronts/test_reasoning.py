@@ -1,35 +1,39 @@
 """Reasoning sections (`<think>…</think>`) read apart from the answer: the parser whole and streamed (the pieces
 add up to the whole however the output is cut), calls read from the answer alone, the chat response's
-`reasoning_content` whole and streamed, when a bundle's output is read for reasoning, and
-`chat_template_kwargs` reaching the template through the HTTP front."""
+`reasoning_content` and `reasoning` whole and streamed, when a bundle's output is read for reasoning,
+`chat_template_kwargs` reaching the template through the HTTP front (Qwen3's enable_thinking=false: all
+answer), and structured output constrained after the section, never inside it."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.fronts.chat_output import OutputReader, output_reader
 from service.fronts.http.openai_responses import ChatBuilder
-from service.fronts.reasoning import ReasoningParser, opens_reasoning, template_reasons
+from service.fronts.reasoning import ReasoningParser, opens_reasoning, output_start, template_reasons
 from service.fronts.tool_calls import ParsedMessage, ToolCallParser, ToolUse
 from service.fronts.validation import AcceptedRequest
 
-# (output, the prompt left the model inside the section, reasoning, content)
+# (output, where it starts: before, inside or after a section (`output_start`), reasoning, content)
 OUTPUTS = [
-    ("<think>\nTwo and two.\n</think>\n\nIt is 4.", False, "Two and two.", "It is 4."),
-    ("  <think>a  b </think>c", False, "a  b", "c"),
-    ("<think>\n\n</think>\n\nJust the answer.", False, None, "Just the answer."),
-    ("No section, <think>here</think> is text.", False, None, "No section, <think>here</think> is text."),
-    ("<thin", False, None, "<thin"),
-    ("<think>cut off by max_tokens \n", False, "cut off by max_tokens", None),
-    ("Opened by the prompt.\n</think>\n\nThe answer.", True, "Opened by the prompt.", "The answer."),
-    ("\nnever closed </thi", True, "never closed </thi", None),
-    ("</think>straight to it", True, None, "straight to it"),
-    ("", True, None, None),
-    ("", False, None, None),
-    ("  \n", False, None, "  \n"),
+    ("<think>\nTwo and two.\n</think>\n\nIt is 4.", "before", "Two and two.", "It is 4."),
+    ("  <think>a  b </think>c", "before", "a  b", "c"),
+    ("<think>\n\n</think>\n\nJust the answer.", "before", None, "Just the answer."),
+    ("No section, <think>here</think> is text.", "before", None, "No section, <think>here</think> is text."),
+    ("<thin", "before", None, "<thin"),
+    ("<think>cut off by max_tokens \n", "before", "cut off by max_tokens", None),
+    ("Opened by the prompt.\n</think>\n\nThe answer.", "inside", "Opened by the prompt.", "The answer."),
+    ("\nnever closed </thi", "inside", "never closed </thi", None),
+    ("</think>straight to it", "inside", None, "straight to it"),
+    ("", "inside", None, None),
+    ("", "before", None, None),
+    ("  \n", "before", None, "  \n"),
+    ("<think>closed by the prompt</think> all answer", "after", None, "<think>closed by the prompt</think> all answer"),
+    ("\nAnswer.", "after", None, "\nAnswer."),
 ]
 
 
@@ -42,15 +46,15 @@ def pieces(parser, output: str, cuts: list[int]) -> ParsedMessage:
     return message
 
 
-@pytest.mark.parametrize("output,inside,reasoning,content", OUTPUTS)
-def test_the_reasoning_is_read_apart_from_the_answer(output, inside, reasoning, content):
-    message = ReasoningParser(inside).parse(output)
+@pytest.mark.parametrize("output,start,reasoning,content", OUTPUTS)
+def test_the_reasoning_is_read_apart_from_the_answer(output, start, reasoning, content):
+    message = ReasoningParser(start).parse(output)
     assert (message.reasoning, message.content, message.calls) == (reasoning, content, [])
 
 
-@pytest.mark.parametrize("output,inside,reasoning,content", OUTPUTS)
-def test_the_streamed_pieces_add_up_to_the_whole_at_every_split_point(output, inside, reasoning, content):
-    parser = ReasoningParser(inside)
+@pytest.mark.parametrize("output,start,reasoning,content", OUTPUTS)
+def test_the_streamed_pieces_add_up_to_the_whole_at_every_split_point(output, start, reasoning, content):
+    parser = ReasoningParser(start)
     for cut in range(len(output) + 1):
         message = pieces(parser, output, [cut])
         assert (message.reasoning, message.content) == (reasoning, content), cut
@@ -86,14 +90,15 @@ def test_a_bundles_output_is_read_for_reasoning_when_its_template_mentions_think
     assert template_reasons(qwen3) and not template_reasons("{{ messages[0].content }}")
     assert template_reasons("{{ m.content.split('</think>') | last }}")  # as DeepSeek-R1's first templates do
     assert opens_reasoning("<｜Assistant｜><think>\n") and not opens_reasoning("assistant\n<think>\n\n</think>\n\n")
-    assert output_reader("{{ x }}", "prompt", None, False) is None
-    reader = output_reader(qwen3, "<|im_start|>assistant\n", None, False)
-    assert reader.tools is None and reader.reasoning.inside is False
-    assert output_reader("<think>", "x<think>\n", None, False).reasoning.inside
-    assert output_reader("<think>", "x<think>\n", None, True) is None  # constrained: all answer
+    assert output_start("{{ x }}", "prompt") is None and output_reader(None, None) is None
+    assert output_start(qwen3, "<|im_start|>assistant\n") == "before"
+    assert output_start(qwen3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "after"  # enable_thinking=false
+    assert output_start("<think>", "x<think>\n") == "inside"
+    reader = output_reader("before", None)
+    assert reader.tools is None and reader.reasoning.start == "before"
     tools = ToolUse.of([{"type": "function", "function": {"name": "f"}}], "<tool_call>", required=True)
-    constrained = output_reader("<think>", "x<think>\n", tools, True)
-    assert constrained.reasoning is None and constrained.tools is tools.parser
+    constrained = output_reader("inside", tools)  # a constraint applies after the section: it is still read
+    assert constrained.reasoning.start == "inside" and constrained.tools is tools.parser
 
 
 # ---- the chat response -------------------------------------------------------------------------
@@ -116,13 +121,15 @@ def test_the_message_carries_reasoning_content_whole_and_streamed(tools):
     whole = builder(reader)
     whole.add(0, events(output))
     choice = whole.response()["choices"][0]
-    assert choice["message"]["reasoning_content"] == "Weather needed." and choice["message"]["content"] == "Checking."
+    assert choice["message"]["reasoning_content"] == choice["message"]["reasoning"] == "Weather needed."
+    assert choice["message"]["content"] == "Checking."
     assert choice["finish_reason"] == ("tool_calls" if tools else "stop")
     assert len(choice["message"].get("tool_calls", [])) == int(tools)
     streamed = builder(reader)
     chunks = [json.loads(c.removeprefix(b"data: ")) for c in streamed.stream_head() + streamed.chunks(0, events(output))]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Weather needed."
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == "Checking."
     assert sum(len(d.get("tool_calls", [])) for d in deltas) == int(tools)
     assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
@@ -165,9 +172,10 @@ def test_a_served_answer_is_split_as_the_parser_splits_the_same_text(reasoning_s
     text = raw["choices"][0]["text"]
     chat = post(reasoning_server, "/v1/chat/completions", {"messages": MESSAGES, **fields}).json()
     message = chat["choices"][0]["message"]
-    expected = ReasoningParser(inside=True).parse(text)
+    expected = ReasoningParser("inside").parse(text)
     assert chat["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"]
     assert (message["reasoning_content"], message["content"]) == (expected.reasoning, expected.content)
+    assert message["reasoning"] == message["reasoning_content"]
     assert message["reasoning_content"] or message["content"]
     stream = post(reasoning_server, "/v1/chat/completions", {"messages": MESSAGES, "stream": True, **fields})
     deltas = [json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
@@ -212,6 +220,93 @@ def test_qwen3s_template_serves_its_prompt_and_reads_its_output(qwen3_server, th
     kwargs = {} if thinking else {"chat_template_kwargs": {"enable_thinking": False}}
     chat = post(qwen3_server, "/v1/chat/completions", {"messages": MESSAGES, **kwargs, **fields}).json()
     assert chat["usage"]["prompt_tokens"] == raw["usage"]["prompt_tokens"]
-    expected = ReasoningParser(inside=False).parse(raw["choices"][0]["text"])
+    text = raw["choices"][0]["text"]
+    expected = ReasoningParser("before").parse(text) if thinking else ReasoningParser("after").parse(text)
     message = chat["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (expected.reasoning, expected.content)
+    if not thinking:  # the template closed an empty section in the prompt: the output is all answer
+        assert (message["reasoning_content"], message["content"]) == (None, text or None)
+
+
+# ---- structured output after the reasoning section --------------------------------------------------------
+#
+# The tiny model's text is arbitrary: `max_reasoning_chars` makes the grammar close its section, then the answer
+# is what the constraint allows. Greedy, so the stream is the whole response cut into pieces.
+
+COLOUR = {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}}, "required": ["c"],
+          "additionalProperties": False}
+BOUND = 16
+
+
+def streamed_message(srv, body: dict) -> tuple[dict, str | None]:
+    """The message a stream's deltas add up to, and its last finish_reason."""
+    r = post(srv, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    text = {key: "".join(d.get(key) or "" for d in deltas) or None for key in ("reasoning_content", "content")}
+    return text, chunks[-1]["choices"][0]["finish_reason"]
+
+
+OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+# (server, template variables, where the output starts): SERVER_TEMPLATE opens the section unless thinking is
+# off, when the prompt is before any; Qwen3's with thinking off closes an empty one in the prompt
+STARTS = [("reasoning_server", {}, "inside"), ("reasoning_server", OFF, "before"), ("qwen3_server", OFF, "after")]
+
+
+@pytest.mark.parametrize("server, kwargs, start", STARTS, ids=[s for _, _, s in STARTS])
+def test_a_json_schema_constrains_the_answer_after_the_reasoning(request, server, kwargs, start):
+    """With the section opened by the prompt the model must write it, may write one when the prompt is before
+    any, and writes none after a closed one; the content validates each way, the reasoning is apart."""
+    srv = request.getfixturevalue(server)
+    body = {"messages": MESSAGES, "max_tokens": 56, "temperature": 0, "max_reasoning_chars": BOUND,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}},
+            **kwargs}
+    r = post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    choice = whole["choices"][0]
+    message = choice["message"]
+    jsonschema.validate(json.loads(message["content"]), COLOUR)
+    assert choice["finish_reason"] == "stop" and message["reasoning"] == message["reasoning_content"]
+    assert len(message["reasoning_content"] or "") <= BOUND
+    answer_tokens = post(srv, "/tokenize", {"prompt": message["content"]}).json()["count"]
+    if start == "inside":  # the section and its `</think>` were written before the answer
+        assert whole["usage"]["completion_tokens"] > answer_tokens
+    if start == "after":
+        assert message["reasoning_content"] is None
+    streamed, finish_reason = streamed_message(srv, body)
+    assert streamed == {"reasoning_content": message["reasoning_content"], "content": message["content"]}
+    assert finish_reason == "stop"
+
+
+def test_an_unconstrained_section_is_bounded_by_max_reasoning_chars(reasoning_server):
+    body = {"messages": MESSAGES, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    free = post(reasoning_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    bounded = post(reasoning_server, "/v1/chat/completions", {**body, "max_reasoning_chars": 4}).json()
+    message = bounded["choices"][0]["message"]
+    assert len(message["reasoning_content"] or "") <= 4
+    assert len(free["reasoning_content"] or "") > 4  # the tiny model does not close its section on its own
+    for bad in (0, 100_001):
+        refused = post(reasoning_server, "/v1/chat/completions", {**body, "max_reasoning_chars": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_reasoning_chars"
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_required_tool_call_comes_after_the_reasoning(reasoning_server, thinking):
+    """Inside the section the prompt opened, or before any (the test template reads no tools: Qwen3's tool prompt
+    alone is longer than the tiny model's context)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    body = {"messages": MESSAGES, "max_tokens": 110, "temperature": 0, "tools": tools, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_reasoning_chars": 4,  # the call itself takes most of the context
+            **({} if thinking else OFF)}
+    r = post(reasoning_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    assert len(choice["message"]["reasoning_content"] or "") <= 4

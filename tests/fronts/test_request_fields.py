@@ -1,6 +1,7 @@
-"""docs/api.md's table of HTTP request fields, walked against both endpoints: every field the schemas take
+"""docs/api.md's tables of HTTP request fields, walked against the endpoints: every field the schemas take
 is documented and every documented field is taken; each is accepted with a valid value, the documented
-refusals are 400s naming the field, and a field the table does not list is refused by name."""
+refusals are 400s naming the field, and a field the table does not list is refused by name. The completion
+endpoints have one table, /tokenize and /detokenize another."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import openai
 import pytest
 
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from service.fronts.http.tokenize import Detokenize, TokenizeChat, TokenizePrompt
 from tests.fronts.server_harness import ServerThread, free_port, settings
-from tests.fronts.test_http_api import CHATML, oai
+from tests.fronts.test_http_api import CHATML, error_of, oai, raw
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 ENDPOINTS = {"completions": ("/completions", CompletionRequest, {"prompt": [5, 6], "max_tokens": 2}),
@@ -39,6 +41,9 @@ ACCEPTED = {
     "timeout": {"timeout": 30}, "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
     "tool_choice": {"tool_choice": "none"}, "parallel_tool_calls": {"parallel_tool_calls": False},
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "continue_final_message": {"continue_final_message": True, "add_generation_prompt": False,
+                               "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "So"}]},
+    "max_reasoning_chars": {"max_reasoning_chars": 8},
     "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": False},
     "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
     "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
@@ -51,19 +56,21 @@ ACCEPTED = {
 REFUSED = {
     "tool_choice": "required", "store": True, "modalities": ["audio"],
     "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2, "length_penalty": 2.0, "early_stopping": True,
+    "max_reasoning_chars": 0, "continue_final_message": True,
 }
 
 
-def documented() -> dict[str, set[str]]:
-    """endpoint -> the fields the table lists for it."""
+def documented(header: str = "| field | endpoints | type |", both: tuple[str, str] = ("completions", "chat")
+               ) -> dict[str, set[str]]:
+    """endpoint -> the fields the table that starts with `header` lists for it ("both": the two of `both`)."""
     text = API_DOC.read_text()
-    table = text[text.index("| field | endpoints | type |"):]
+    table = text[text.index(header):]
     table = table[:table.index("\n\n")]
-    fields: dict[str, set[str]] = {"completions": set(), "chat": set()}
+    fields: dict[str, set[str]] = {endpoint: set() for endpoint in both}
     for row in table.splitlines()[2:]:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
         names = re.findall(r"`([a-z_]+)`", cells[0])
-        for endpoint in ("completions", "chat") if cells[1] == "both" else (cells[1],):
+        for endpoint in both if cells[1] == "both" else (cells[1],):
             fields[endpoint].update(names)
     return fields
 
@@ -78,11 +85,17 @@ def test_the_table_lists_exactly_the_fields_each_endpoint_takes(endpoint):
 
 
 @pytest.fixture(scope="module")
-def api(engine_bundle, tmp_path_factory):
+def server(engine_bundle, tmp_path_factory):
     bundle = tmp_path_factory.mktemp("fields") / "bundle"
     shutil.copytree(engine_bundle, bundle)
     (bundle / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
-    with ServerThread(settings(bundle, http_port=free_port())) as srv, oai(srv) as client:
+    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    with oai(server) as client:
         yield client
 
 
@@ -129,3 +142,47 @@ def test_a_value_of_the_wrong_type_is_a_400_naming_the_type_the_field_takes(api,
         post(api, endpoint, {field: value})
     assert e.value.body == {"message": f"{field}: {expected}", "type": "invalid_request_error", "param": field,
                             "code": None}
+
+
+# ---- /tokenize and /detokenize ------------------------------------------------------------------------------
+
+TOKENIZER_TABLE = ("| field | endpoint | type |", ("tokenize", "detokenize"))
+TOKENIZER_SCHEMAS = {"tokenize": (TokenizePrompt, TokenizeChat), "detokenize": (Detokenize,)}
+MESSAGES = [{"role": "user", "content": "x"}]
+# a valid body holding each documented field
+TOKENIZER_ACCEPTED = {
+    "tokenize": {
+        "model": {"prompt": "x", "model": ""}, "prompt": {"prompt": "To be"}, "messages": {"messages": MESSAGES},
+        "add_special_tokens": {"prompt": "x", "add_special_tokens": False},
+        "add_generation_prompt": {"messages": MESSAGES, "add_generation_prompt": False},
+        "continue_final_message": {"messages": [*MESSAGES, {"role": "assistant", "content": "So"}],
+                                   "add_generation_prompt": False, "continue_final_message": True},
+        "tools": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "chat_template_kwargs": {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+        "return_token_strs": {"prompt": "x", "return_token_strs": True},
+    },
+    "detokenize": {"model": {"tokens": [5], "model": ""}, "tokens": {"tokens": [5, 6]}},
+}
+
+
+@pytest.mark.parametrize("endpoint", TOKENIZER_SCHEMAS)
+def test_the_tokenizer_table_lists_exactly_the_fields_each_endpoint_takes(endpoint):
+    taken = set().union(*(schema_fields(schema) for schema in TOKENIZER_SCHEMAS[endpoint]))
+    assert documented(*TOKENIZER_TABLE)[endpoint] == taken
+
+
+@pytest.mark.parametrize("endpoint", TOKENIZER_SCHEMAS)
+def test_every_documented_tokenizer_field_is_accepted_with_a_valid_value(server, endpoint):
+    for field in sorted(documented(*TOKENIZER_TABLE)[endpoint]):
+        r = raw(server, "POST", f"/{endpoint}", TOKENIZER_ACCEPTED[endpoint][field])
+        assert r.status_code == 200, (field, r.text)
+        assert ("tokens" if endpoint == "tokenize" else "prompt") in r.json(), (field, r.json())
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x"}, {"messages": MESSAGES}, {"tokens": [5]}])
+def test_a_field_the_tokenizer_table_does_not_list_is_refused_by_name(server, body):
+    path = "/detokenize" if "tokens" in body else "/tokenize"
+    r = raw(server, "POST", path, {**body, "frobnicate": 1})
+    error = error_of(r)
+    assert r.status_code == 400 and error["param"] == "frobnicate"
+    assert "not a field this server implements" in error["message"]

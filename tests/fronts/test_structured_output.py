@@ -151,6 +151,7 @@ def test_chat_json_mode_and_streaming_give_the_same_json(api):
                        if chunk.choices)
     assert whole.finish_reason == "stop" and streamed == whole.message.content
     jsonschema.validate(json.loads(streamed), SCHEMAS[2])
+    assert not {"reasoning_content", "reasoning"} & set(whole.message.model_dump())  # a template without sections
 
 
 def test_too_few_tokens_end_with_length(api):

@@ -4,6 +4,7 @@
     POST /v1/chat/completions   messages rendered with the model's chat template
     POST /v1/responses          OpenAI's Responses API, stateless, served as a chat request (`responses_api`)
     GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
+    POST /tokenize, /detokenize vLLM's: a text or a chat to token ids, and back (`tokenize`)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
 
 The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
@@ -36,16 +37,19 @@ from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body, responses_api
 from service.fronts.http.bearer_guard import BearerGuard
+from service.fronts.http.chat_prompt import render_prompt
 from service.fronts.http.errors import HttpError, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.fronts.http.request_body import check_model, header_timeout, read_body
 from service.fronts.http.response_streams import BodyBuilder, SSEResponse, json_pieces
-from service.fronts.http.structured import constraint_of
+from service.fronts.http.structured import after_reasoning, constraint_of
+from service.fronts.http.tokenize import Tokenization
+from service.fronts.reasoning import output_start
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
-from service.fronts.validation import AcceptedRequest, accept, check_text_fits, usable_prompt_ids
+from service.fronts.validation import AcceptedRequest, accept, usable_prompt_ids
 from service.runtime.chat_template import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("attnserve.server")
@@ -60,6 +64,7 @@ class HttpFront:
     def __init__(self, serving: ServingContext, token: str | None = None):
         self.serving = serving
         self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
+        tokenization = Tokenization(serving, self._chat_template)
         routes = [
             self._route("POST", "/v1/completions", self.completions),
             self._route("POST", "/v1/chat/completions", self.chat_completions),
@@ -68,6 +73,8 @@ class HttpFront:
             self._route("DELETE", "/v1/responses/{response_id}", responses_api.not_stored),
             self._route("GET", "/v1/models", self.models),
             self._route("GET", "/v1/models/{model:path}", self.model),
+            self._route("POST", "/tokenize", tokenization.tokenize),
+            self._route("POST", "/detokenize", tokenization.detokenize),
             Route("/health", self.health, methods=["GET"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
@@ -146,26 +153,20 @@ class HttpFront:
         facts = self.serving.model
         conversation, tools = body.conversation(), body.tool_use(template.source)
         constraint, constraint_field = constraint_of(body, tools)
-        names = chat_names(body, constraint_field)
+        names = chat_names(body, constraint_field or "max_reasoning_chars")  # which alone may set a grammar
 
-        def render() -> tuple[str, list[int]]:
-            try:
-                text = template.render(conversation, add_generation_prompt=body.add_generation_prompt,
-                                       tools=tools.tools if tools else None, **(body.chat_template_kwargs or {}))
-            except ChatTemplateError as e:
-                raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
-            check_text_fits("messages", text, facts)
-            return text, facts.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
-
-        text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, render)
+        text, ids = await _off_loop(size > json_body.OFF_LOOP_BYTES, lambda: render_prompt(
+            template, body, conversation, tools.tools if tools else None, facts))
         if not ids:
             raise InvalidRequest("messages", "the chat template rendered them as an empty prompt")
+        start = output_start(template.source, text)
+        constraint = after_reasoning(constraint, start, body.max_reasoning_chars)
         fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                   "top_logprobs": body.top_logprobs or 0, "logprobs": bool(body.logprobs), "constraint": constraint}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         accepted = self._accept(fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
-        return accepted, output_reader(template.source, text, tools, constraint is not None), names
+        return accepted, output_reader(start, tools), names
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class HttpFront:
             generation = await Generation.start(self.serving, call, accepted_requests, whole=not stream)
         except InvalidRequest as e:
             raise names.renamed(e) from None
+        builder.timings_of = generation.timings
         if stream:
             outcome = {"code": "499"}  # until the stream ends otherwise: the client went away
 
@@ -194,7 +196,6 @@ class HttpFront:
             return Response(status_code=499)
         finally:
             generation.close()
-        builder.cached_tokens = generation.cached_prompt_tokens
         headers = {"X-Request-Id": accepted_requests[0].request_id}
         request0 = accepted_requests[0].request
         scored = call.tokens + (builder.prompt_tokens * builder.n if request0.prompt_logprobs is not None else 0)
@@ -213,7 +214,6 @@ class HttpFront:
             async for index, events in generation.events():
                 for chunk in builder.chunks(index, events):
                     yield chunk
-            builder.cached_tokens = generation.cached_prompt_tokens
             for chunk in builder.stream_tail():
                 yield chunk
             outcome["code"] = "200"

@@ -10,7 +10,8 @@ from service.fronts.status import HttpStatus
 
 OPEN_PATHS = frozenset({"/health"})
 # metric labels; others are "other"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+          "/health")
 
 
 class BearerGuard:

@@ -6,21 +6,25 @@ as OpenAI numbers them. Each choice's text is the concatenation of its events' t
 detokenizer's, so multi-byte characters and stop strings come out whole), after the prompt with `echo`;
 with `echo` and logprobs, the prompt's tokens and their logprobs come first (in a stream, in the first chunk).
 A chat request with tools, or for a model that writes reasoning sections, reads each choice's text into
-`reasoning_content`, content and `tool_calls` (`service.fronts.chat_output`), whole or as it streams.
+`reasoning_content` (and `reasoning`, the same text), content and `tool_calls` (`service.fronts.chat_output`),
+whole or as it streams.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.request import FinishReason, TokenEvent
+from service.engine.sequence import Timing
 from service.fronts.chat_output import OutputReader
 from service.fronts.draft_counts import DraftCounts
 from service.fronts.http.errors import error_body
 from service.fronts.http.response_streams import DONE, sse
+from service.fronts.http.timings import timings
 from service.fronts.status import HttpStatus
 from service.fronts.token_texts import TokenTexts
 from service.fronts.tool_calls import ParsedMessage
@@ -38,6 +42,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, drafts
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": drafts.accepted,
                                           "rejected_prediction_tokens": drafts.rejected}}
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's reasoning under both names clients read: vLLM's `reasoning_content` and `reasoning`."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 @dataclass
@@ -70,7 +79,8 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.choices = [Choice(p * self.n + j) for p in range(len(accepted_requests)) for j in range(self.n)]
         self.prompt_tokens = sum(len(w.request.prompt_token_ids) for w in accepted_requests)
-        self.cached_tokens = 0  # of those, found in the prefix cache: set when the generation ends
+        self.timings_of: Callable[[], list[Timing]] = list  # each request's timing so far: set once they run
+        self.last_token_at: float | None = None  # the engine's time of the latest token
         self.drafts = DraftCounts()  # speculative decoding's, over the choices that have ended
         self.want_logprobs = accepted_requests[0].want_logprobs
         self.logprobs = [self._new_logprobs() for _ in self.choices]  # each choice's, whole
@@ -92,6 +102,7 @@ class ResponseBuilder:
         touched: dict[int, tuple[list[str], Any]] = {}
         self.drafts.add(events)
         for e in events:
+            self.last_token_at = e.time if self.last_token_at is None else max(self.last_token_at, e.time)
             c = self.choice(stream_index, e)
             delta, lp = touched.setdefault(c.index, ([], self._new_logprobs() if self.want_logprobs else None))
             accepted = self.accepted_requests[stream_index]
@@ -130,9 +141,13 @@ class ResponseBuilder:
         raise NotImplementedError
 
     def chunks(self, stream_index: int, events: list[TokenEvent]) -> list[bytes]:
-        """Fold events in; one SSE chunk per choice they touch (and have something to send for)."""
+        """Fold events in; one SSE chunk per choice they touch (and have something to send for). Without a usage
+        chunk to come, the chunk that ends the last choice carries the `timings`."""
         entries = [self._chunk_choice(index, text, lp) for index, (text, lp) in self._add(stream_index, events).items()]
-        return [sse(self.envelope([entry], chunk=True)) for entry in entries if entry is not None]
+        bodies = [self.envelope([entry], chunk=True) for entry in entries if entry is not None]
+        if bodies and not self.include_usage and all(c.finish_reason is not None for c in self.choices):
+            bodies[-1]["timings"] = self.timings()
+        return [sse(body) for body in bodies]
 
     def choice(self, stream_index: int, event: TokenEvent) -> Choice:
         return self.choices[stream_index * self.n + event.index]
@@ -141,14 +156,25 @@ class ResponseBuilder:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache supplied, over every prompt."""
+        return sum(t.cached_tokens for t in self.timings_of())
+
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.drafts)
+
+    def timings(self) -> dict[str, Any]:
+        """llama.cpp's `timings` of the call so far (`service.fronts.http.timings`)."""
+        return timings(self.timings_of(), self.last_token_at, self.prompt_tokens, self.completion_tokens,
+                       self.drafts)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
                 "created": self.created, "model": self.model, "choices": choices}
         if not chunk:
             body["usage"] = self.usage()
+            body["timings"] = self.timings()
         elif self.include_usage:
             body["usage"] = None
         return body
@@ -156,6 +182,7 @@ class ResponseBuilder:
     def usage_chunk(self) -> bytes:
         body = self.envelope([], chunk=True)
         body["usage"] = self.usage()
+        body["timings"] = self.timings()
         return sse(body)
 
     def stream_head(self) -> list[bytes]:
@@ -259,9 +286,9 @@ class ChatBuilder(ResponseBuilder):
                             "finish_reason": finish_reason}, self.choices[index])
 
     def _delta(self, index: int, piece: ParsedMessage) -> dict[str, Any]:
-        """A piece of a message as OpenAI streams it (with vLLM's `reasoning_content`): its reasoning, its content,
-        and its calls numbered from the choice's first."""
-        delta: dict[str, Any] = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
+        """A piece of a message as OpenAI streams it (with the reasoning as vLLM's `reasoning_content` and as
+        `reasoning`): its reasoning, its content, and its calls numbered from the choice's first."""
+        delta: dict[str, Any] = reasoning_fields(piece.reasoning) if piece.reasoning else {}
         if piece.content:
             delta["content"] = piece.content
         if piece.calls:
@@ -278,7 +305,7 @@ class ChatBuilder(ResponseBuilder):
         parsed = self.reader.parse(text)
         message = {"role": "assistant", "content": parsed.content}
         if self.reader.reasoning:
-            message["reasoning_content"] = parsed.reasoning
+            message.update(reasoning_fields(parsed.reasoning))
         if not parsed.calls:
             return message, choice.finish_reason
         return {**message, "tool_calls": [call.openai() for call in parsed.calls]}, "tool_calls"

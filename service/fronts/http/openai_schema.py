@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
+from service.fronts.reasoning import MAX_REASONING_CHARS
 from service.fronts.tool_calls import ToolUse
 
 Number = StrictInt | StrictFloat
@@ -211,39 +212,20 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPrompt(BaseModel):
+    """What a chat prompt is rendered from (`service.fronts.http.chat_prompt`): the messages, the tools and the
+    template's variables, as /v1/chat/completions and /tokenize take them."""
+
+    model_config = ConfigDict(extra="forbid")
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: the prompt ends inside the final (assistant) message
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
-    # OpenAI's, accepted and without effect here (docs/api.md)
-    metadata: dict[str, StrictStr] | None = None
-    store: StrictBool | None = None
-    service_tier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
-    safety_identifier: StrictStr | None = None
-    modalities: list[StrictStr] | None = None
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        self._check_tools()
-        for key in self.chat_template_kwargs or {}:
-            if key in TEMPLATE_FIELDS:
-                raise InvalidRequest(f"chat_template_kwargs.{key}", f"is set by the request's own fields "
-                                     f"({', '.join(TEMPLATE_FIELDS)}); remove it")
-        if self.store:
-            raise InvalidRequest("store", "this server keeps no completions; leave it false or unset")
-        if self.modalities is not None and self.modalities != ["text"]:
-            raise InvalidRequest("modalities", "only [\"text\"] is served")
-        if self.top_logprobs and not self.logprobs:
-            raise InvalidRequest("top_logprobs", "needs logprobs: true")
-
-    def _check_tools(self) -> None:
+    def check_prompt(self) -> dict[str, int]:
+        """Refuse what cannot be rendered; returns each tool's index by its name."""
         names: dict[str, int] = {}
         for i, tool in enumerate(self.tools or []):
             name = tool.function.name
@@ -253,21 +235,18 @@ class ChatCompletionRequest(SamplingFields):
             if name in names:
                 raise InvalidRequest(f"tools[{i}].function.name", f"{name!r} names tools[{names[name]}] too")
             names[name] = i
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise InvalidRequest("tool_choice.function.name", f"{choice.function.name!r} is not among the tools "
-                                 f"({', '.join(names) or 'none given'})")
-        if choice == "required" and not names:
-            raise InvalidRequest("tool_choice", "'required' needs tools")
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_FIELDS:
+                raise InvalidRequest(f"chat_template_kwargs.{key}", f"is set by the request's own fields "
+                                     f"({', '.join(TEMPLATE_FIELDS)}); remove it")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message", "needs add_generation_prompt: false (the prompt goes on "
+                                 "with the final message, not a new one)")
+        return names
 
-    def tool_use(self, template_source: str) -> ToolUse | None:
-        """What the tools ask of this generation; None without tools or with tool_choice "none"."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-        tools = [tool.model_dump(exclude_unset=True) for tool in self.tools]  # as sent, for the template
-        return ToolUse.of(tools, template_source, self.parallel_tool_calls is not False,
-                          self.tool_choice == "required", name)
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The tools as sent, for the template."""
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools or []]
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them: plain dicts, text parts joined, None values dropped
@@ -289,6 +268,49 @@ class ChatCompletionRequest(SamplingFields):
                 message["content"] = "".join(parts)
             out.append(message)
         return out
+
+
+class ChatCompletionRequest(ChatPrompt, SamplingFields):
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_reasoning_chars: StrictInt | None = None  # the reasoning section's bound, by the grammar (attnserve's)
+    # OpenAI's, accepted and without effect here (docs/api.md)
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        names = self.check_prompt()
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest("tool_choice.function.name", f"{choice.function.name!r} is not among the tools "
+                                 f"({', '.join(names) or 'none given'})")
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice", "'required' needs tools")
+        if self.store:
+            raise InvalidRequest("store", "this server keeps no completions; leave it false or unset")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise InvalidRequest("modalities", "only [\"text\"] is served")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        if self.max_reasoning_chars is not None and not 1 <= self.max_reasoning_chars <= MAX_REASONING_CHARS:
+            raise InvalidRequest("max_reasoning_chars", f"{self.max_reasoning_chars} is outside "
+                                 f"[1, {MAX_REASONING_CHARS}]")
+
+    def tool_use(self, template_source: str) -> ToolUse | None:
+        """What the tools ask of this generation; None without tools or with tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return ToolUse.of(self.tool_specs(), template_source, self.parallel_tool_calls is not False,
+                          self.tool_choice == "required", name)
 
 
 def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:

@@ -28,6 +28,15 @@ async def read_body(request: Request, schema: type[BaseModel], serving: ServingC
     JSON or a field of the wrong type, or a list longer than its limit (`json_body`, `check_counts`).
     Checks first that the server is serving (503) and the model is this one (404)."""
     serving.admit()
+    hint = (f" (and at most {serving.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
+            else "")
+    data, size = await read_json(request, serving, hint)
+    return checked(schema, data, serving), size
+
+
+async def read_json(request: Request, serving: ServingContext, hint: str = "") -> tuple[Any, int]:
+    """The body parsed as JSON (`json_body`), and its size, within the size and time limits; `hint`: what a
+    too-large body's error adds."""
     max_body = serving.settings.max_receive_message_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body:
@@ -44,14 +53,17 @@ async def read_body(request: Request, schema: type[BaseModel], serving: ServingC
         raise ClientGone("the client disconnected while sending") from None
     except TimeoutError:
         raise BodyTimeout(size, serving.settings.body_timeout_s) from None
-    hint = (f" (and at most {serving.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
-            else "")
-    data = await json_body.parse(b"".join(chunks), hint)
+    return await json_body.parse(b"".join(chunks), hint), size
+
+
+def checked(schema: type[BaseModel], data: Any, serving: ServingContext) -> Any:
+    """`data` (a parsed body) as `schema`, its lists within their limits, its model this one (404) and nothing
+    in it that the server cannot honour (the schema's `refuse_unsupported`)."""
     check_counts(data, serving)
     body = validated(schema, data)
     check_model(body.model, serving)
     body.refuse_unsupported()
-    return body, size
+    return body
 
 
 def validated(schema: type[BaseModel], data: Any) -> Any:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from starlette.responses import StreamingResponse
 
 from service.engine.request import TokenEvent
+from service.engine.sequence import Timing
 from service.fronts.status import HttpStatus
 
 DONE = b"data: [DONE]\n\n"
@@ -41,7 +42,8 @@ class BodyBuilder(Protocol):
     """An API's answer, built from the engine's events: whole (`add`, then `response`) or as a stream (`stream_head`,
     `chunks` as events come, `stream_tail`; `stream_error` when the stream fails after it began)."""
 
-    cached_tokens: int  # prompt tokens found in the prefix cache: set before `response` and `stream_tail`
+    timings_of: Callable[[], list[Timing]]  # each request's timing record so far (cached tokens, times): set once
+    # they run
 
     def add(self, stream_index: int, events: list[TokenEvent]) -> None: ...
 

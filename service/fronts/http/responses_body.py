@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from service.engine.request import FinishReason, TokenEvent
+from service.engine.sequence import Timing
 from service.fronts.chat_output import OutputReader
 from service.fronts.http.errors import ERROR_CODES
 from service.fronts.http.response_streams import sse
@@ -50,7 +52,7 @@ class ResponsesBody:
         sampling = accepted.request.sampling
         self.echo = {**echo, "temperature": sampling.temperature, "top_p": sampling.top_p}  # the values it ran with
         self.prompt_tokens = len(accepted.request.prompt_token_ids)
-        self.cached_tokens = 0  # of those, found in the prefix cache: set when the generation ends
+        self.timings_of: Callable[[], list[Timing]] = list  # the request's timing record: set once it runs
         self.output_tokens = 0
         self.section_tokens = 0  # tokens read while a reasoning section could be open (reasoning, if there was one)
         self.reader = reader.stream() if reader else None  # None: the text is all answer
@@ -178,7 +180,8 @@ class ResponsesBody:
 
     def _usage(self) -> dict[str, Any]:
         reasoned = any(item["type"] == "reasoning" for item in self.output)
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+        cached = sum(t.cached_tokens for t in self.timings_of())
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": self.output_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.section_tokens if reasoned else 0},
                 "total_tokens": self.prompt_tokens + self.output_tokens}

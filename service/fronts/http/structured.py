@@ -6,18 +6,25 @@
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object"}
     tool_choice "required" or a named tool (chat)                  -> grammar (service.fronts.tool_calls)
 
-A request takes one constraint at most; the field that set it names the engine's errors about it.
+A request takes one constraint at most; the field that set it names the engine's errors about it. A chat
+output that may write a reasoning section is constrained after it (`after_reasoning`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from service.engine.errors import InvalidRequest
 from service.engine.request import Constraint
 from service.fronts.http.openai_schema import SamplingFields
+from service.fronts.reasoning import SectionStart, reasoning_lead
 from service.fronts.tool_calls import ToolUse
+
+# the answer of an output constrained only for its reasoning section's bound: any text that does not open a
+# section (else a `<think>` could begin the answer, and the section in it would be unbounded)
+ANY_ANSWER = "start: ANSWER\nANSWER: /(?s:.*)/ & ~/\\s*<think>(?s:.*)/"
 
 
 def constraint_of(body: SamplingFields, tools: ToolUse | None = None) -> tuple[Constraint | None, str]:
@@ -28,6 +35,21 @@ def constraint_of(body: SamplingFields, tools: ToolUse | None = None) -> tuple[C
     if len(asked) > 1:
         raise InvalidRequest(asked[1][0], f"a request takes one constraint, and {asked[0][0]} sets one already")
     return asked[0][1] if asked else None, asked[0][0] if asked else ""
+
+
+def after_reasoning(constraint: Constraint | None, start: SectionStart | None,
+                    max_chars: int | None) -> Constraint | None:
+    """`constraint` on the answer after a chat output's reasoning section (`start`, as
+    `service.fronts.reasoning.output_start` reads the prompt), never on the section itself. With `max_chars`, the
+    section is bounded by the grammar, so an output without a constraint gets one: the bounded section, then any
+    text."""
+    if start is None or start == "after":  # no section to write
+        return constraint
+    if constraint is None:
+        if max_chars is None:
+            return None
+        constraint = Constraint("grammar", ANY_ANSWER)
+    return replace(constraint, lead=reasoning_lead(start, max_chars))
 
 
 def _asked(body: SamplingFields):
