@@ -4,10 +4,12 @@
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
+    POST /v1/messages           Anthropic's Messages API (and /v1/messages/count_tokens): `anthropic_messages`
 
 The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
-rules every front shares (`service.fronts.validation`), and every error has OpenAI's shape (`errors`);
-the bearer token is checked before any of it (`bearer_guard`). Nothing a client sends gives a 500.
+rules every front shares (`service.fronts.validation`), and every error has OpenAI's shape (`errors`), or
+Anthropic's on its routes (`anthropic_errors`); the bearer token is checked before any of it
+(`bearer_guard`). Nothing a client sends gives a 500.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from service.fronts.chat_output import OutputReader, output_reader
 from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body
+from service.fronts.http.anthropic_errors import anthropic_error_response
+from service.fronts.http.anthropic_messages import MessagesApi
 from service.fronts.http.bearer_guard import BearerGuard
 from service.fronts.http.errors import HttpError, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
@@ -65,6 +69,10 @@ class HttpFront:
             self._route("GET", "/v1/models/{model:path}", self.model),
             Route("/health", self.health, methods=["GET"]),
         ]
+        messages = MessagesApi(self)
+        routes += [self._route("POST", "/v1/messages", messages.create, errors=anthropic_error_response),
+                   self._route("POST", "/v1/messages/count_tokens", messages.count_tokens,
+                               errors=anthropic_error_response)]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
         self.app = BearerGuard(app, token, serving)
 
@@ -291,7 +299,8 @@ class HttpFront:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.serving.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
-        return error_response(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
+        errors = anthropic_error_response if request.url.path.startswith("/v1/messages") else error_response
+        return errors(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
 
 
 async def _off_loop(heavy: bool, work: Callable[[], T]) -> T:
