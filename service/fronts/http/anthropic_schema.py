@@ -128,7 +128,8 @@ class OutputConfig(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
-    """What /v1/messages/count_tokens takes: what decides the prompt /v1/messages would render."""
+    """What /v1/messages/count_tokens takes: what decides the prompt /v1/messages would render, and what
+    Anthropic's count_tokens takes besides (`output_config`, `cache_control`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -138,6 +139,8 @@ class CountTokensRequest(BaseModel):
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # count_tokens: the constraint adds no prompt tokens
+    cache_control: dict[str, Any] | None = None  # the prefix cache needs no marks
 
     def refuse_unsupported(self) -> None:
         self._check_messages()
@@ -200,6 +203,10 @@ class CountTokensRequest(BaseModel):
                 fields["parallel_tool_calls"] = False
         if self.thinking is not None:
             fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+        output_format = self.output_config.format if self.output_config else None
+        if output_format is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                                "schema": output_format.schema_}}
         return fields
 
 
@@ -212,7 +219,6 @@ class MessagesRequest(CountTokensRequest):
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
-    output_config: OutputConfig | None = None
     metadata: Metadata | None = None  # accepted, changes nothing
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, changes nothing: there is one tier
 
@@ -221,10 +227,6 @@ class MessagesRequest(CountTokensRequest):
         sampling = {"stop": self.stop_sequences, "temperature": self.temperature, "top_p": self.top_p,
                     "top_k": self.top_k}
         fields.update({name: value for name, value in sampling.items() if value is not None})
-        output_format = self.output_config.format if self.output_config else None
-        if output_format is not None:
-            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
-                                                                                "schema": output_format.schema_}}
         return fields
 
 
