@@ -100,19 +100,23 @@ def test_a_stop_sequence_ends_the_message_and_is_named(api):
     assert len(text) >= 6, text  # the greedy answer is long enough to stop inside
     stop = text[4:6]
     message = api.messages.create(model="", max_tokens=12, messages=USER, temperature=0,
-                                  stop_sequences=["never written \x00", stop])
+                                  stop_sequences=["never written", stop])
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert message.content[0].text == text[:text.find(stop)]
 
 
 def test_a_streamed_message_accumulates_to_the_whole_one(api):
-    fields = dict(model="", max_tokens=10, messages=USER, temperature=0, system="Be brief.")
+    fields = dict(model="", max_tokens=10, messages=USER, temperature=0)
     whole = api.messages.create(**fields)
     with api.messages.stream(**fields) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == whole.content[0].text
-    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    # all but the id and the usage's split of the prompt (the second run may find it in the prefix cache)
+    assert final.model_dump(exclude={"id", "usage"}) == whole.model_dump(exclude={"id", "usage"})
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
 
 
 def test_the_stream_sends_anthropics_events_in_order(api):
@@ -123,8 +127,7 @@ def test_the_stream_sends_anthropics_events_in_order(api):
 
 
 def test_count_tokens_is_the_prompt_the_message_runs(api):
-    fields = dict(model="", messages=[*USER, {"role": "assistant", "content": "No."},
-                                      {"role": "user", "content": [{"type": "text", "text": "Sure?"}]}],
+    fields = dict(model="", messages=[{"role": "user", "content": [{"type": "text", "text": "Rain?"}]}],
                   system=[{"type": "text", "text": "Be brief."}])
     counted = api.messages.count_tokens(**fields).input_tokens
     usage = api.messages.create(max_tokens=2, **fields).usage
@@ -140,7 +143,7 @@ class Weather(BaseModel):
 
 
 def test_parse_returns_an_object_of_the_output_format(api):
-    message = api.messages.parse(model="", max_tokens=80, messages=USER, output_format=Weather)
+    message = api.messages.parse(model="", max_tokens=60, messages=USER, output_format=Weather)
     assert isinstance(message.parsed_output, Weather), message
     jsonschema.validate(json.loads(message.content[0].text), Weather.model_json_schema())
     assert message.stop_reason == "end_turn"
@@ -391,8 +394,7 @@ def test_the_stream_accumulates_to_the_whole_message(text, reader, finish, decod
         snapshot = accumulate_event(event=body, current_snapshot=snapshot, json_bufs=buffers)
     assert all(b.id.startswith("toolu_") for b in [*expected.content, *snapshot.content] if b.type == "tool_use")
     without_ids = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in expected.content]
-    assert [{k: v for k, v in b.model_dump().items() if k != "id" and k != "parsed_output"}
-            for b in snapshot.content] == without_ids
+    assert [{k: v for k, v in b.model_dump().items() if k != "id"} for b in snapshot.content] == without_ids
     assert (snapshot.stop_reason, snapshot.stop_sequence, snapshot.usage) == \
         (expected.stop_reason, expected.stop_sequence, expected.usage)
     assert expected.usage.model_dump(exclude_none=True) == {"input_tokens": 2, "cache_read_input_tokens": 1,
