@@ -221,6 +221,8 @@ def test_a_full_queue_is_529_and_a_deadline_mid_stream_an_error_event(engine_bun
             full = h.post("/v1/messages", content=json.dumps(body))
             assert full.status_code == 529 and int(full.headers["retry-after"]) >= 1
             assert error_of(full)["type"] == "overloaded_error"
+            assert srv.server.metrics.registry.get_sample_value(  # counted as the client saw it
+                "attnserve_requests_total", {"protocol": "http", "method": "/v1/messages", "code": "529"}) == 1
             late.read()
         # its deadline passed in the queue, after its stream began: the stream ends with an error event
         events = events_of(late)

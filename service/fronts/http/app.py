@@ -292,8 +292,9 @@ class HttpFront:
             log.error("%s: %s", status.message, internal_detail(error), exc_info=error)
         elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
             log.info("http %s %d: %s", call.method, status.status, status.message)
-        call.finished(str(status.status), False)
-        return errors(status)
+        response = errors(status)
+        call.finished(str(response.status_code), False)  # as the client sees it (an error shape may change it)
+        return response
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
