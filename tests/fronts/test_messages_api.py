@@ -194,7 +194,7 @@ def test_the_token_is_taken_from_x_api_key_or_bearer_and_refused_in_anthropics_s
             assert c.messages.create(model="", **body).usage.output_tokens == 2
         for headers, status in [({"x-api-key": "s3cret"}, 200), ({"x-api-key": "wrong"}, 401),
                                 ({"authorization": "Bearer s3cret"}, 200), ({}, 401)]:
-            r = post(srv, "/v1/messages", body, headers={"anthropic-version": "2023-06-01", **headers})
+            r = post(srv, "/v1/messages", body, headers={"anthropic-version": "2023-06-01", "anthropic-beta": "any-beta", **headers})
             assert r.status_code == status, (headers, r.text)
             if status == 401:
                 assert error_of(r)["type"] == "authentication_error"
