@@ -36,6 +36,7 @@ USER = [{"role": "user", "content": "Rain?"}]
 RAIN = {"name": "rain", "description": "Whether it rains", "input_schema": {
     "type": "object", "properties": {"c": {"type": "string", "maxLength": 4}}, "required": ["c"],
     "additionalProperties": False}}
+GREEDY = {"temperature": 0}  # the anthropic client takes no sampling arguments: they go in the body as they are
 DRY = {"name": "dry", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
 
 
@@ -81,7 +82,7 @@ def api(chat_server):
 # ---- a message, whole and streamed ---------------------------------------------------------------
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(api, chat_server):
-    message = api.messages.create(model="", max_tokens=8, messages=USER, temperature=0)
+    message = api.messages.create(model="", max_tokens=8, messages=USER, extra_body=GREEDY)
     with oai(chat_server) as o:
         chat = o.chat.completions.create(model="", max_tokens=8, messages=USER, temperature=0)
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
@@ -96,17 +97,17 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(api, chat_ser
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(api):
-    text = api.messages.create(model="", max_tokens=12, messages=USER, temperature=0).content[0].text
+    text = api.messages.create(model="", max_tokens=12, messages=USER, extra_body=GREEDY).content[0].text
     assert len(text) >= 6, text  # the greedy answer is long enough to stop inside
     stop = text[4:6]
-    message = api.messages.create(model="", max_tokens=12, messages=USER, temperature=0,
+    message = api.messages.create(model="", max_tokens=12, messages=USER, extra_body=GREEDY,
                                   stop_sequences=["never written", stop])
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert message.content[0].text == text[:text.find(stop)]
 
 
 def test_a_streamed_message_accumulates_to_the_whole_one(api):
-    fields = dict(model="", max_tokens=10, messages=USER, temperature=0)
+    fields = dict(model="", max_tokens=10, messages=USER, extra_body=GREEDY)
     whole = api.messages.create(**fields)
     with api.messages.stream(**fields) as stream:
         text = "".join(stream.text_stream)
@@ -120,7 +121,7 @@ def test_a_streamed_message_accumulates_to_the_whole_one(api):
 
 
 def test_the_stream_sends_anthropics_events_in_order(api):
-    events = [e.type for e in api.messages.create(model="", max_tokens=6, messages=USER, temperature=0, stream=True)]
+    events = [e.type for e in api.messages.create(model="", max_tokens=6, messages=USER, extra_body=GREEDY, stream=True)]
     assert events[:2] == ["message_start", "content_block_start"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(events[2:-3]) <= {"content_block_delta"}
@@ -160,7 +161,7 @@ def test_parse_returns_an_object_of_the_output_format(api):
 ])
 def test_a_bad_field_is_a_bad_request_naming_it(api, fields, field):
     with pytest.raises(anthropic.BadRequestError) as e:
-        api.messages.create(**{"model": "", "max_tokens": 4, "messages": USER, **fields})
+        api.messages.create(model="", max_tokens=4, messages=USER, extra_body=fields)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert e.value.body["error"]["message"].startswith(f"{field}: "), e.value.body
 
@@ -242,7 +243,7 @@ def tool_server(engine_bundle, tmp_path_factory):
 
 
 def test_a_tool_round_trip(tool_server):
-    fields = dict(model="", max_tokens=100, temperature=0, tools=[RAIN, DRY])
+    fields = dict(model="", max_tokens=100, extra_body=GREEDY, tools=[RAIN, DRY])
     with claude(tool_server) as c, Client(tool_server.address) as grpc:
         called = c.messages.create(messages=USER, tool_choice={"type": "tool", "name": "rain"}, **fields)
         assert called.stop_reason == "tool_use"
@@ -279,7 +280,7 @@ def reasoning_server(engine_bundle, tmp_path_factory):
 @pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}])
 def test_the_reasoning_is_a_thinking_block_and_the_answer_a_text_block(reasoning_server, thinking):
     opened = thinking["type"] == "enabled"
-    fields = {"max_tokens": 12, "temperature": 0}
+    fields = {"max_tokens": 12, "extra_body": GREEDY}
     with oai(reasoning_server) as o:
         raw = o.completions.create(model="", prompt="Rain?\n" + ("<think>\n" if opened else ""), **fields)
     expected = ReasoningParser(inside=opened).parse(raw.choices[0].text)
