@@ -8,6 +8,7 @@ builder's stream against its whole message through the client's own stream accum
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Literal
 
 import anthropic
@@ -23,10 +24,12 @@ from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.fronts.chat_output import OutputReader
 from service.fronts.http.anthropic_responses import MessageBuilder
 from service.fronts.http.anthropic_schema import MessagesRequest
+from service.fronts.http.openai_schema import ChatCompletionRequest
 from service.fronts.http.request_body import validated
 from service.fronts.reasoning import ReasoningParser
 from service.fronts.tool_calls import ToolCallParser
 from service.fronts.validation import AcceptedRequest
+from service.runtime.chat_template import ChatTemplate
 from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, with_chat_template
 from tests.fronts.test_http_api import CHATML, oai
 from tests.fronts.test_reasoning import SERVER_TEMPLATE as REASONING_TEMPLATE
@@ -325,6 +328,34 @@ def test_a_body_becomes_the_chat_request_of_the_same_conversation():
         ("required", False, {"enable_thinking": False})
     assert (chat.max_tokens, chat.stop, chat.top_k, chat.temperature) == (5, ["\n\n"], 4, None)
     assert chat.response_format.json_schema.schema_ == {"type": "object"}
+
+
+def test_an_agent_turn_renders_as_the_same_chat_conversation_does():
+    """Through a template in Qwen3's format: the reasoning of the turn after the last user message, the call and
+    its result are written as the OpenAI client's equivalent conversation writes them."""
+    template = ChatTemplate((Path(__file__).parents[1] / "runtime" / "chat_templates" / "qwen3.jinja").read_text())
+    messages = validated(MessagesRequest, {"max_tokens": 5, "tools": [RAIN], "thinking": {"type": "disabled"},
+                                           "messages": [*USER, {"role": "assistant", "content": [
+                                               {"type": "thinking", "thinking": "Look it up."},
+                                               {"type": "tool_use", "id": "t1", "name": "rain", "input": {"c": "Oslo"}}]},
+                                               {"role": "user", "content": [
+                                                   {"type": "tool_result", "tool_use_id": "t1", "content": "wet"}]}]})
+    chat = validated(ChatCompletionRequest, {
+        "tools": [{"type": "function", "function": {"name": "rain", "description": RAIN["description"],
+                                                    "parameters": RAIN["input_schema"]}}],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "messages": [*USER, {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "rain", "arguments": '{"c": "Oslo"}'}}]},
+                     {"role": "tool", "tool_call_id": "t1", "name": "rain", "content": "wet"}]})
+
+    def rendered(body: ChatCompletionRequest) -> str:
+        return template.render(body.conversation(), tools=body.tool_use(template.source).tools,
+                               **body.chat_template_kwargs)
+
+    text = rendered(messages.chat())
+    assert text == rendered(chat)
+    assert '<think>\nLook it up.\n</think>\n\n<tool_call>\n{"name": "rain", "arguments": {"c": "Oslo"}}' in text
+    assert "<tool_response>\nwet\n</tool_response>" in text and text.endswith("<think>\n\n</think>\n\n")
 
 
 @pytest.mark.parametrize("body, field", [

@@ -300,7 +300,9 @@ class HttpFront:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.serving.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
-        errors = anthropic_error_response if request.url.path.startswith("/v1/messages") else error_response
+        path = request.url.path
+        errors = anthropic_error_response if path == "/v1/messages" or path.startswith("/v1/messages/") \
+            else error_response
         return errors(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
 
 
