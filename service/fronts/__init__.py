@@ -1,7 +1,7 @@
 """The fronts: protocols in front of the one engine. What they share lives here.
 
     grpc/              the gRPC front: servicer, protobuf conversion, TLS and token interceptor
-    http/              the HTTP front: OpenAI's API on Starlette and uvicorn, in the same event loop
+    http/              the HTTP front: OpenAI's and Anthropic's APIs on Starlette and uvicorn, in the same event loop
     serving_context.py the engine both fronts submit to, admission, the drain, the retry-after hint
     generation.py      one generation's engine streams, submitted together, read and freed however the call ends
     stream_cadence.py  how many tokens a stream message carries and how long it waits for them

@@ -1,4 +1,5 @@
-"""The HTTP front: OpenAI's API (completions, chat completions, models) and /health, on the engine.
+"""The HTTP front: OpenAI's API (completions, chat completions, models), Anthropic's Messages API and /health,
+on the engine.
 
     app.py               the Starlette application: the endpoints and their answers
     request_body.py      a request's body read within its limits, parsed, bounded and validated; its deadline header
@@ -6,6 +7,10 @@
     bearer_guard.py      the bearer-token check, before the application reads a request
     openai_schema.py     the request bodies (types only; ranges are the engine's, via fronts/validation.py)
     openai_responses.py  engine events -> OpenAI's response bodies and server-sent-event chunks
+    anthropic_messages.py  the Messages API's endpoints: a body served as the chat request it translates into
+    anthropic_schema.py    the Messages request bodies, and their translation into a chat request
+    anthropic_responses.py engine events -> Anthropic's Message and its event stream
+    anthropic_errors.py    errors in Anthropic's shape, on the Messages API's paths
     response_streams.py  a body sent as server-sent events, or as JSON a choice at a time
     listener.py          uvicorn in the server's event loop, beside gRPC
     connections.py       connections as a bounded resource: a cap, deadlines to speak and to read

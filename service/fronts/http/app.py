@@ -4,12 +4,14 @@
     POST /v1/chat/completions   messages rendered with the model's chat template
     POST /v1/responses          OpenAI's Responses API, stateless, served as a chat request (`responses_api`)
     GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
+    POST /v1/messages           Anthropic's Messages API (and /v1/messages/count_tokens): `anthropic_messages`
     POST /tokenize, /detokenize vLLM's: a text or a chat to token ids, and back (`tokenize`)
     GET  /health                200 while serving, 503 while loading or draining (no token needed)
 
 The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
-rules every front shares (`service.fronts.validation`), and every error has OpenAI's shape (`errors`);
-the bearer token is checked before any of it (`bearer_guard`). Nothing a client sends gives a 500.
+rules every front shares (`service.fronts.validation`), and every error has OpenAI's shape (`errors`), or
+Anthropic's on its routes (`anthropic_errors`); the bearer token is checked before any of it
+(`bearer_guard`). Nothing a client sends gives a 500.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from service.fronts.chat_output import OutputReader, output_reader
 from service.fronts.field_names import FieldNames
 from service.fronts.generation import ClientGone, Generation
 from service.fronts.http import json_body, responses_api
+from service.fronts.http.anthropic_errors import anthropic_error_response
+from service.fronts.http.anthropic_messages import MessagesApi
 from service.fronts.http.bearer_guard import BearerGuard
 from service.fronts.http.chat_prompt import render_prompt
 from service.fronts.http.errors import HttpError, error_response
@@ -77,6 +81,10 @@ class HttpFront:
             self._route("POST", "/detokenize", tokenization.detokenize),
             Route("/health", self.health, methods=["GET"]),
         ]
+        messages = MessagesApi(self)
+        routes += [self._route("POST", "/v1/messages", messages.create, errors=anthropic_error_response),
+                   self._route("POST", "/v1/messages/count_tokens", messages.count_tokens,
+                               errors=anthropic_error_response)]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
         self.app = BearerGuard(app, token, serving)
 
@@ -289,14 +297,18 @@ class HttpFront:
             log.error("%s: %s", status.message, internal_detail(error), exc_info=error)
         elif call.admitted is None:  # refused before it reached the engine (requests that ran log in finished())
             log.info("http %s %d: %s", call.method, status.status, status.message)
-        call.finished(str(status.status), False)
-        return errors(status)
+        response = errors(status)
+        call.finished(str(response.status_code), False)  # as the client sees it (an error shape may change it)
+        return response
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         self.serving.metrics.requests.labels("http", "other", str(exc.status_code)).inc()
-        return error_response(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
+        path = request.url.path
+        errors = anthropic_error_response if path == "/v1/messages" or path.startswith("/v1/messages/") \
+            else error_response
+        return errors(HttpStatus(exc.status_code, kind, message, None, tuple((exc.headers or {}).items())))
 
 
 async def _off_loop(heavy: bool, work: Callable[[], T]) -> T:

@@ -1,0 +1,72 @@
+"""Anthropic's Messages API on the HTTP front, beside OpenAI's and on the same engine:
+
+    POST /v1/messages               a conversation -> the assistant's next Message, whole or streamed
+    POST /v1/messages/count_tokens  a conversation -> {"input_tokens": N}, the prompt /v1/messages would run
+
+A body (`anthropic_schema`) becomes the OpenAI API's chat request, so it is rendered and checked by the
+front's one chat step (`HttpFront.accept_chat`) and run by its one generation step; its answer is Anthropic's
+Message (`anthropic_responses`) and its errors are Anthropic's (`anthropic_errors`), naming the fields as
+this API spells them. `anthropic-version` and `anthropic-beta` headers are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from service.engine.errors import InvalidRequest
+from service.fronts.call import Call
+from service.fronts.chat_output import OutputReader
+from service.fronts.field_names import FieldNames
+from service.fronts.http.anthropic_responses import MessageBuilder
+from service.fronts.http.anthropic_schema import CountTokensRequest, MessagesRequest
+from service.fronts.http.openai_schema import ChatCompletionRequest
+from service.fronts.http.request_body import read_body
+from service.fronts.http.response_streams import BodyBuilder
+from service.fronts.serving_context import ServingContext
+from service.fronts.validation import AcceptedRequest
+
+# the chat request's field names (as the chat step names them) -> this API's
+MESSAGES_NAMES = FieldNames({"stop": "stop_sequences", "chat_template_kwargs": "thinking",
+                             "response_format.json_schema.schema": "output_config.format.schema"})
+
+
+class ChatFront(Protocol):
+    """What the Messages API takes of the HTTP front (`HttpFront`): its serving context, its chat step and its
+    generation step."""
+
+    serving: ServingContext
+
+    async def accept_chat(self, request: Request, body: ChatCompletionRequest, size: int
+                          ) -> tuple[AcceptedRequest, OutputReader | None, FieldNames]: ...
+
+    async def generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
+                       builder: BodyBuilder, stream: bool, names: FieldNames) -> Response: ...
+
+
+class MessagesApi:
+    def __init__(self, front: ChatFront):
+        self.front = front
+
+    async def create(self, request: Request, call: Call) -> Response:
+        body, size = await read_body(request, MessagesRequest, self.front.serving)
+        try:
+            accepted, reader, names = await self.front.accept_chat(request, body.chat(), size)
+            builder = MessageBuilder(self.front.serving.served_name(), accepted, reader,
+                                     self.front.serving.model.tokenizer, body.stop_sequences or [])
+            return await self.front.generate(request, call, [accepted], builder, bool(body.stream), names)
+        except InvalidRequest as e:
+            raise MESSAGES_NAMES.renamed(e) from None
+
+    async def count_tokens(self, request: Request, call: Call) -> Response:
+        """The prompt's length in tokens, rendered as /v1/messages renders it: a conversation /v1/messages
+        would refuse (one that leaves no room in the context, say) is refused here too."""
+        body, size = await read_body(request, CountTokensRequest, self.front.serving)
+        try:
+            accepted, _, _ = await self.front.accept_chat(request, body.chat(), size)
+        except InvalidRequest as e:
+            raise MESSAGES_NAMES.renamed(e) from None
+        call.finished("200", True)
+        return JSONResponse({"input_tokens": len(accepted.request.prompt_token_ids)})
