@@ -70,7 +70,7 @@ class SamplingParams:
             if isinstance(bias, float) and not math.isfinite(bias):
                 raise InvalidRequest(f"logit_bias.{token}", f"{bias!r} is not a finite number")
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                raise InvalidRequest(f"logit_bias.{token}", f"{bias!r} is outside [-100, 100]")
+                raise InvalidRequest(f"logit_bias.{token}", f"{_short(bias)} is outside [-100, 100]")
         return {token: float(bias) for token, bias in value.items()}
 
     @property
