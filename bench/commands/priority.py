@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p = HintingParser(prog="attnserve bench priority", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     for name, default in DEFAULTS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None,
-                       help=f"default {default} ({QUICK[name]} with --quick)" if name in QUICK else f"default {default}")
+        quick = f" ({QUICK[name]} with --quick)" if name in QUICK else ""
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), help=f"default {default}{quick}")
     p.add_argument("--quick", action="store_true", help="a small run, in seconds, to check the command works")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON goes")

@@ -2,10 +2,11 @@
 
 Only types live here. Every range (temperature, top_p, n, max_tokens, the stop strings, ...) is the
 engine's and is checked by `service.fronts.validation.accept`, for this front and the gRPC front
-alike; the tools of a chat request are checked here (their names, `tool_choice` against them). No
-field is ignored: a field this server does not implement, whoever defines it, is refused by name
-(`extra="forbid"`, and `refuse_unsupported` for values it cannot honour, such as `suffix`). The fields OpenAI accepts that change nothing here (`user`, ...) are listed in
-docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
+alike; the tools of a chat request are checked here (their names, `tool_choice` against them), and
+`logit_bias`'s keys read as token ids. No field is ignored: a field this server does not implement,
+whoever defines it, is refused by name (`extra="forbid"`, and `refuse_unsupported` for values it
+cannot honour, such as `suffix`). The fields OpenAI accepts that change nothing here (`user`, ...) are
+listed in docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
 """
 
 from __future__ import annotations
