@@ -4,18 +4,20 @@
     attnserve bench priority --bundle runs/bundle --quick --no-write        # seconds
 
 `attnserve serve` runs the bundle in a child process with --max-running streams. Interactive requests (a
-short prompt, a few tokens, priority 0) are sent one at a time, each --interval-s after the previous one
-was sent (or when it ends, if later), and each one's time to first token is taken as the client sees it,
-in three cases:
-1. alone: nothing else runs;
+short prompt, a few tokens, priority 0) are sent one at a time, one every --interval-s whether or not the
+previous one has ended (arrivals at a fixed rate, as users send them), and each one's time to first token
+is taken as the client sees it, in three cases:
+1. alone: nothing else runs; --interactive requests;
 2. amid a batch job at priority 10: --batch-requests long requests (random prompts, --batch-tokens tokens
-   each, EOS ignored) submitted at once before the first interactive one, so the server queues most of them;
-   an interactive request waits for a running one to finish a slot, not for the queue (nothing is preempted);
-3. amid the same batch job at priority 0: an interactive request queues behind it, in arrival order.
-The interactive requests start once the server reports the batch's requests waiting; each case reports
-TTFT p50 and p99, how many interactive requests ended while the batch still ran, and the batch's
-throughput (its tokens over the time from its submission to its last request's end). Writes
-docs/bench/priority.json (or into --out) and the priority section of docs/BENCHMARKS.md.
+   each, EOS ignored) submitted at once before the first interactive one, so the server queues most of
+   them; an interactive request waits for a running one to free a slot, not for the queue (nothing is
+   preempted);
+3. amid the same batch job at priority 0: an interactive request queues behind the batch, in arrival order.
+In the batch cases the interactive requests start once the server reports the batch's requests waiting,
+and are sent while the batch runs (the first always; at most --interactive). Each case reports the
+interactive TTFT p50 and p99 and how many were sent, and the batch's throughput (its tokens over the time
+from its submission to its last request's end). Writes docs/bench/priority.json (or into --out) and the
+priority section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from service.client import AsyncClient
 from service.client.server_process import ServerProcess
 from service.engine.config import DEFAULT_BUNDLE
 
-DEFAULTS = dict(max_running=8, interactive=30, interval_s=0.5, interactive_prompt_tokens=8, interactive_tokens=8,
-                batch_requests=64, batch_prompt_tokens=32, batch_tokens=192, batch_priority=10)
+DEFAULTS = dict(max_running=8, interactive=100, interval_s=0.25, interactive_prompt_tokens=8, interactive_tokens=8,
+                batch_requests=128, batch_prompt_tokens=32, batch_tokens=192, batch_priority=10)
 QUICK = dict(max_running=2, interactive=4, interval_s=0.1, interactive_prompt_tokens=4, interactive_tokens=2,
              batch_requests=8, batch_prompt_tokens=4, batch_tokens=12)
 QUEUE_WAIT_S = 60.0  # the batch's requests must be queued within this long
@@ -65,26 +67,28 @@ async def queued(client: AsyncClient, batch: list[asyncio.Task]) -> None:
 
 async def run_case(client: AsyncClient, args, rng: np.random.Generator, vocab: int, batch_priority: int | None
                    ) -> dict:
-    """One case: the interactive series, amid a batch at `batch_priority` (None: alone)."""
+    """One case: the interactive arrivals, amid a batch at `batch_priority` (None: alone)."""
     started = time.perf_counter()
     batch = [asyncio.create_task(client.generate(rng.integers(1, vocab, args.batch_prompt_tokens).tolist(),
                                                  max_new_tokens=args.batch_tokens, temperature=0.0, ignore_eos=True,
                                                  priority=batch_priority))
              for _ in range(args.batch_requests if batch_priority is not None else 0)]
     await queued(client, batch)
-    ttfts, overlapped = [], 0
-    for _ in range(args.interactive):
-        sent = time.perf_counter()
-        ttfts.append(await first_token(client, rng.integers(1, vocab, args.interactive_prompt_tokens).tolist(),
-                                       args.interactive_tokens))
-        overlapped += bool(batch) and not all(t.done() for t in batch)
-        await asyncio.sleep(max(0.0, sent + args.interval_s - time.perf_counter()))
+    first = time.perf_counter()
+    interactive = []
+    for i in range(args.interactive):
+        await asyncio.sleep(max(0.0, first + i * args.interval_s - time.perf_counter()))
+        if i and batch and all(t.done() for t in batch):
+            break  # the batch is over: what follows would be the alone case again
+        prompt = rng.integers(1, vocab, args.interactive_prompt_tokens).tolist()
+        interactive.append(asyncio.create_task(first_token(client, prompt, args.interactive_tokens)))
+    ttfts = list(await asyncio.gather(*interactive))
     done = await asyncio.gather(*batch)
     batch_s = time.perf_counter() - started if batch else 0.0
     tokens = sum(r.usage.completion_tokens for r in done)
     return {"batch_priority": batch_priority, "ttft_s": ttfts, "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99), "overlapped": overlapped, "batch_tokens": tokens,
-            "batch_s": batch_s, "batch_tokens_per_s": tokens / batch_s if batch else None}
+            "ttft_p99_s": percentile(ttfts, 99), "batch_tokens": tokens, "batch_s": batch_s,
+            "batch_tokens_per_s": tokens / batch_s if batch else None}
 
 
 async def measure(address: str, args) -> dict:
@@ -100,7 +104,8 @@ async def measure(address: str, args) -> dict:
                                ("batch at priority 0", 0)):
             cases[name] = await run_case(client, args, rng, info.vocab_size, priority)
             c = cases[name]
-            print(f"{name}: TTFT p50 {c['ttft_p50_s'] * 1e3:.1f} ms, p99 {c['ttft_p99_s'] * 1e3:.1f} ms"
+            print(f"{name}: {len(c['ttft_s'])} interactive requests, TTFT p50 {c['ttft_p50_s'] * 1e3:.1f} ms, "
+                  f"p99 {c['ttft_p99_s'] * 1e3:.1f} ms"
                   + (f"; batch {c['batch_tokens_per_s']:.0f} tokens/s" if c["batch_tokens"] else ""), flush=True)
     return {"model": info.name, "cases": cases}
 
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_priority <= 0:
         p.error("--batch-priority must be above 0, the interactive requests' priority")
     serve = ["--bundle", str(args.bundle), "--max-running", str(args.max_running),
-             "--max-waiting", str(max(256, args.batch_requests))]
+             "--max-waiting", str(args.batch_requests + args.interactive)]  # every request may wait at once
     with ServerProcess(serve) as server:
         measured = asyncio.run(measure(server.address, args))
     result = {"machine": describe(), "command": "attnserve bench priority" + (" " + " ".join(argv) if argv else ""),
@@ -138,17 +143,17 @@ def render(r: dict) -> str:
     s = r["settings"]
     lines = ["## Priority: interactive requests beside a batch job", "",
              f"`{shown(r['command'])}` on {machine_line(r['machine'])}.", "",
-             f"`{r['model']}` over gRPC, `--max-running {s['max_running']}`. {s['interactive']} interactive requests "
-             f"({s['interactive_prompt_tokens']}-token prompts, {s['interactive_tokens']} tokens, priority 0), one at "
-             f"a time every {s['interval_s']:g} s, alone and amid a batch job of {s['batch_requests']} requests "
-             f"({s['batch_prompt_tokens']}-token prompts, {s['batch_tokens']} tokens each) submitted at once. A "
-             "running request is never preempted: an urgent one waits for a slot, not for the queue.", "",
-             "| case | interactive TTFT p50 (ms) | p99 (ms) | interactive requests amid the batch | "
-             "batch tokens/s |", "|---|---|---|---|---|"]
+             f"`{r['model']}` over gRPC, `--max-running {s['max_running']}`. Interactive requests "
+             f"({s['interactive_prompt_tokens']}-token prompts, {s['interactive_tokens']} tokens, priority 0) arrive "
+             f"one every {s['interval_s']:g} s, alone and while a batch job of {s['batch_requests']} requests "
+             f"({s['batch_prompt_tokens']}-token prompts, {s['batch_tokens']} tokens each, submitted at once) runs. "
+             "A running request is never preempted: an urgent one waits for a slot, not for the queue.", "",
+             "| case | interactive requests | TTFT p50 (ms) | TTFT p99 (ms) | batch tokens/s |",
+             "|---|---|---|---|---|"]
     for name, c in r["cases"].items():
         rate = f"{c['batch_tokens_per_s']:.0f}" if c["batch_tokens_per_s"] is not None else "—"
-        amid = f"{c['overlapped']} of {len(c['ttft_s'])}" if c["batch_priority"] is not None else "—"
-        lines.append(f"| {name} | {c['ttft_p50_s'] * 1e3:.1f} | {c['ttft_p99_s'] * 1e3:.1f} | {amid} | {rate} |")
+        lines.append(f"| {name} | {len(c['ttft_s'])} | {c['ttft_p50_s'] * 1e3:.1f} | {c['ttft_p99_s'] * 1e3:.1f} | "
+                     f"{rate} |")
     return "\n".join(lines) + "\n"
 
 
