@@ -91,7 +91,8 @@ class SamplingBatch:
         self.filtered = np.array([p.filtered for p in drawn], dtype=bool)  # among the drawn rows
         kept = [p for p in drawn if p.filtered]
         self.filters = Filters.of(kept)
-        self.adjusted = [i for i, s in enumerate(states) if s.counts is not None or s.bias_ids.size]  # every step
+        # the rows whose logits every step adjusts: a bias, penalties
+        self.adjusted = [i for i, s in enumerate(states) if s.counts is not None or s.bias_ids.size]
         self.may_suppress = [i for i, s in enumerate(states) if s.suppress.size and s.min_tokens]
         self.logprob_rows = np.flatnonzero([s.want_logprobs or s.top_logprobs for s in states])
         self.top_n = max((s.top_logprobs for s in states), default=0)
