@@ -105,8 +105,8 @@ def test_a_bias_cannot_force_what_the_grammar_forbids(make_engine):
 
 def test_speculative_decoding_checks_drafts_against_the_biased_distribution(make_engine):
     """A repetitive prompt gives prompt lookup drafts; with a bias, the verification uses the biased
-    distribution, so the seeded tokens are those decoding without speculation gives, and a banned token
-    that the drafts propose is never kept."""
+    distribution, so the seeded tokens are those decoding without speculation gives, a banned token that
+    the drafts propose is never kept, and a forced token's drafts (its own repeats) are kept."""
     prompt = [11, 12, 13, 14, 15] * 4
     request = biased("s", prompt, {12: -100, 14: 3.0}, 40, seed=5, temperature=0.8)
     off = run_alone(make_engine, request)
@@ -116,6 +116,9 @@ def test_speculative_decoding_checks_drafts_against_the_biased_distribution(make
     on = drive(engine, [request])
     assert engine.counters.draft_tokens > 0  # it did speculate
     assert on.tokens("s") == off.tokens("s") and 12 not in on.tokens("s")
+    kept = engine.counters.accepted_tokens
+    forced = drive(engine, [biased("f", prompt, {13: 100}, 40, seed=6, temperature=0.8)])
+    assert forced.tokens("f") == [13] * 40 and engine.counters.accepted_tokens > kept
 
 
 @pytest.mark.parametrize("bias, field, message", [
