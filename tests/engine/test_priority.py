@@ -67,18 +67,20 @@ def test_a_full_queue_admits_by_priority_then_arrival_and_never_preempts_the_run
 
 def test_memory_pressure_preempts_the_least_urgent_first_and_it_finishes_as_alone(make_engine, engine_model):
     """Three requests nearly a context long each, in a cache of 2.5 contexts: one must give way. The least urgent
-    did, though it was admitted first (by arrival alone the newest would have); the others were not preempted."""
+    did, though it was admitted first (the newest would have, were they equally urgent); the others were not
+    preempted."""
     rng = np.random.default_rng(22)
     max_new = engine_model.n_ctx - 48
-    reqs = [request("low", random_prompt(rng, 40), 10, max_new), request("hi1", random_prompt(rng, 40), 0, max_new),
-            request("hi2", random_prompt(rng, 40), 0, max_new)]
+    low = request("low", random_prompt(rng, 40), 10, max_new)
+    urgent = [request(f"hi{i}", random_prompt(rng, 40), 0, max_new) for i in (1, 2)]
     engine = small_cache(make_engine, 2.5, max_running=8, prefix_caching=False)
     preempted = []
     preempt = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda s: (preempted.append((s.id, s.request.priority)), preempt(s))[1]
-    run = drive(engine, reqs)
+    engine.scheduler.preempt = lambda s: (preempted.append(s.id), preempt(s))[1]
+    run = drive(engine, [low], arrivals={1: urgent})  # low is admitted in step 0, the others in step 1
     assert not run.errors and preempted
-    assert {rid for rid, _ in preempted} == {"low"}
+    assert set(preempted) == {"low"}
+    reqs = [low, *urgent]
     for r in reqs:
         assert run.tokens(r.request_id) == run_alone(make_engine, r).tokens(r.request_id)
 
