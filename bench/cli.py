@@ -17,6 +17,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
                                    "import-hf, export and the engine"),
     "rotary-placement": ("rotary_placement", "rotary positions inside GroupQueryAttention or as ops before it"),
     "prefix-cache": ("prefix_cache", "time to first token with a long cached prefix, against computing it whole"),
+    "priority": ("priority", "interactive requests' time to first token alone and beside a batch job at a lower "
+                             "and at the same priority; the batch's throughput"),
     "g2p": ("g2p", "the encoder-decoder G2P model against CTranslate2 and transformers: words/s alone "
                    "and 32 at a time"),
     "hostile": ("hostile", "hostile clients (idle connections, huge bodies, deep JSON, Tokenize at its limit) "

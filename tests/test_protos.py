@@ -40,8 +40,10 @@ def test_the_public_names_are_as_documented():
                                                  "GetServerInfo"]
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields] == [
         "request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs",
-        "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "json_schema",
-        "json_object", "regex", "choice", "grammar"]
+        "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "priority",
+        "json_schema", "json_object", "regex", "choice", "grammar"]
+    logit_bias = pb.SamplingParams.DESCRIPTOR.fields_by_name["logit_bias"]
+    assert logit_bias.message_type.GetOptions().map_entry  # token id -> bias
     assert [v.name for v in pb.BeamStopping.DESCRIPTOR.values] == [
         "BEAM_STOPPING_HEURISTIC", "BEAM_STOPPING_EARLY", "BEAM_STOPPING_NEVER"]
     assert pb.Completion.DESCRIPTOR.fields_by_name["beam_score"].has_presence

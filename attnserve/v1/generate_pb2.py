@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61ttnserve/v1/generate.proto\x12\x0c\x61ttnserve.v1\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"|\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xbd\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.attnserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x05 \x01(\x0b\x32\x1e.attnserve.v1.StoppingCriteria\x12\t\n\x01n\x18\x06 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0ftruncate_prompt\x18\n \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\nbeam_width\x18\x0c \x01(\r\x12\x1b\n\x0elength_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12\x31\n\rbeam_stopping\x18\x0e \x01(\x0e\x32\x1a.attnserve.v1.BeamStopping\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x15.attnserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x42\x0c\n\nconstraintB\x12\n\x10_prompt_logprobsB\x11\n\x0f_length_penalty\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\"\xc1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x10\n\x08queue_ms\x18\x03 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x08 \x01(\r\"\xc5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.attnserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x17\n\nbeam_score\x18\x06 \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"\xae\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.attnserve.v1.Completion\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.attnserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\"\xbe\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.attnserve.v1.FinishReason\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.attnserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x17\n\nbeam_score\x18\t \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xd0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08provider\x18\x06 \x01(\t\x12\r\n\x05graph\x18\x07 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x08 \x01(\t\x12\x17\n\x0f\x61ttention_heads\x18\t \x01(\r\x12\x10\n\x08kv_heads\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x0e\n\x06layers\x18\x0c \x01(\r\x12\x0c\n\x04kind\x18\r \x01(\t\x12\x15\n\rsource_tokens\x18\x0e \x01(\r\x12\x1e\n\x16\x64\x65\x63oder_start_token_id\x18\x0f \x01(\r\x12\x16\n\x0e\x65ncoder_layers\x18\x10 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xd8\x01\n\nServerInfo\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_slots\x18\x03 \x01(\r\x12\x15\n\rkv_free_slots\x18\x04 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x11\n\tkv_tokens\x18\t \x01(\x04*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*]\n\x0c\x42\x65\x61mStopping\x12\x1b\n\x17\x42\x45\x41M_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x42\x45\x41M_STOPPING_EARLY\x10\x01\x12\x17\n\x13\x42\x45\x41M_STOPPING_NEVER\x10\x02\x32\x9a\x03\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1d.attnserve.v1.GenerateRequest\x1a\x1e.attnserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.attnserve.v1.GenerateRequest\x1a$.attnserve.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.attnserve.v1.TokenizeRequest\x1a\x1e.attnserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.attnserve.v1.GetModelInfoRequest\x1a\x17.attnserve.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".attnserve.v1.GetServerInfoRequest\x1a\x18.attnserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61ttnserve/v1/generate.proto\x12\x0c\x61ttnserve.v1\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.attnserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"|\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xcf\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.attnserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x05 \x01(\x0b\x32\x1e.attnserve.v1.StoppingCriteria\x12\t\n\x01n\x18\x06 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0ftruncate_prompt\x18\n \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\nbeam_width\x18\x0c \x01(\r\x12\x1b\n\x0elength_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12\x31\n\rbeam_stopping\x18\x0e \x01(\x0e\x32\x1a.attnserve.v1.BeamStopping\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x15.attnserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x18 \x01(\tH\x00\x42\x0c\n\nconstraintB\x12\n\x10_prompt_logprobsB\x11\n\x0f_length_penalty\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\"\xc1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x10\n\x08queue_ms\x18\x03 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x02\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x08 \x01(\r\"\xc5\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.attnserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x17\n\nbeam_score\x18\x06 \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"\xae\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.attnserve.v1.Completion\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.attnserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\"\xbe\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.attnserve.v1.FinishReason\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.attnserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.attnserve.v1.TokenLogprob\x12\x17\n\nbeam_score\x18\t \x01(\x02H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xd0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08provider\x18\x06 \x01(\t\x12\r\n\x05graph\x18\x07 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x08 \x01(\t\x12\x17\n\x0f\x61ttention_heads\x18\t \x01(\r\x12\x10\n\x08kv_heads\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x0e\n\x06layers\x18\x0c \x01(\r\x12\x0c\n\x04kind\x18\r \x01(\t\x12\x15\n\rsource_tokens\x18\x0e \x01(\r\x12\x1e\n\x16\x64\x65\x63oder_start_token_id\x18\x0f \x01(\r\x12\x16\n\x0e\x65ncoder_layers\x18\x10 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xd8\x01\n\nServerInfo\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_slots\x18\x03 \x01(\r\x12\x15\n\rkv_free_slots\x18\x04 \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x11\n\tkv_tokens\x18\t \x01(\x04*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*]\n\x0c\x42\x65\x61mStopping\x12\x1b\n\x17\x42\x45\x41M_STOPPING_HEURISTIC\x10\x00\x12\x17\n\x13\x42\x45\x41M_STOPPING_EARLY\x10\x01\x12\x17\n\x13\x42\x45\x41M_STOPPING_NEVER\x10\x02\x32\x9a\x03\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1d.attnserve.v1.GenerateRequest\x1a\x1e.attnserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.attnserve.v1.GenerateRequest\x1a$.attnserve.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.attnserve.v1.TokenizeRequest\x1a\x1e.attnserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.attnserve.v1.GetModelInfoRequest\x1a\x17.attnserve.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".attnserve.v1.GetServerInfoRequest\x1a\x18.attnserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'attnserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2727
-  _globals['_FINISHREASON']._serialized_end=2860
-  _globals['_BEAMSTOPPING']._serialized_start=2862
-  _globals['_BEAMSTOPPING']._serialized_end=2955
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2860
+  _globals['_FINISHREASON']._serialized_end=2993
+  _globals['_BEAMSTOPPING']._serialized_start=2995
+  _globals['_BEAMSTOPPING']._serialized_end=3088
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=301
-  _globals['_STOPPINGCRITERIA']._serialized_start=303
-  _globals['_STOPPINGCRITERIA']._serialized_end=427
-  _globals['_GENERATEREQUEST']._serialized_start=430
-  _globals['_GENERATEREQUEST']._serialized_end=1003
-  _globals['_CHOICES']._serialized_start=1005
-  _globals['_CHOICES']._serialized_end=1031
-  _globals['_TOKENLOGPROB']._serialized_start=1033
-  _globals['_TOKENLOGPROB']._serialized_end=1137
-  _globals['_USAGE']._serialized_start=1140
-  _globals['_USAGE']._serialized_end=1333
-  _globals['_COMPLETION']._serialized_start=1336
-  _globals['_COMPLETION']._serialized_end=1533
-  _globals['_GENERATERESPONSE']._serialized_start=1536
-  _globals['_GENERATERESPONSE']._serialized_end=1710
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1713
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2031
-  _globals['_TOKENIZEREQUEST']._serialized_start=2033
-  _globals['_TOKENIZEREQUEST']._serialized_end=2064
-  _globals['_TOKENIZERESPONSE']._serialized_start=2066
-  _globals['_TOKENIZERESPONSE']._serialized_end=2119
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2121
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2142
-  _globals['_MODELINFO']._serialized_start=2145
-  _globals['_MODELINFO']._serialized_end=2481
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2483
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2505
-  _globals['_SERVERINFO']._serialized_start=2508
-  _globals['_SERVERINFO']._serialized_end=2724
-  _globals['_TEXTGENERATION']._serialized_start=2958
-  _globals['_TEXTGENERATION']._serialized_end=3368
+  _globals['_SAMPLINGPARAMS']._serialized_end=416
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=310
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=358
+  _globals['_STOPPINGCRITERIA']._serialized_start=418
+  _globals['_STOPPINGCRITERIA']._serialized_end=542
+  _globals['_GENERATEREQUEST']._serialized_start=545
+  _globals['_GENERATEREQUEST']._serialized_end=1136
+  _globals['_CHOICES']._serialized_start=1138
+  _globals['_CHOICES']._serialized_end=1164
+  _globals['_TOKENLOGPROB']._serialized_start=1166
+  _globals['_TOKENLOGPROB']._serialized_end=1270
+  _globals['_USAGE']._serialized_start=1273
+  _globals['_USAGE']._serialized_end=1466
+  _globals['_COMPLETION']._serialized_start=1469
+  _globals['_COMPLETION']._serialized_end=1666
+  _globals['_GENERATERESPONSE']._serialized_start=1669
+  _globals['_GENERATERESPONSE']._serialized_end=1843
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1846
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2164
+  _globals['_TOKENIZEREQUEST']._serialized_start=2166
+  _globals['_TOKENIZEREQUEST']._serialized_end=2197
+  _globals['_TOKENIZERESPONSE']._serialized_start=2199
+  _globals['_TOKENIZERESPONSE']._serialized_end=2252
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2254
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2275
+  _globals['_MODELINFO']._serialized_start=2278
+  _globals['_MODELINFO']._serialized_end=2614
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2616
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2638
+  _globals['_SERVERINFO']._serialized_start=2641
+  _globals['_SERVERINFO']._serialized_end=2857
+  _globals['_TEXTGENERATION']._serialized_start=3091
+  _globals['_TEXTGENERATION']._serialized_end=3501
 # @@protoc_insertion_point(module_scope)

@@ -9,11 +9,12 @@ every field is checked against the model and the engine limits, and a bad one ra
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from service.engine.errors import EngineError, InvalidRequest
@@ -23,6 +24,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]: -100 bans a token in practice, +100 forces it
+PRIORITY_RANGE = (-2**31, 2**31 - 1)  # a request's priority (lower runs first): a signed 32-bit integer
 
 # Parameters are validated when they are built: a value out of range raises pydantic's
 # ValidationError (a ValueError); `build` turns it into `InvalidRequest` naming the field and range.
@@ -45,6 +49,29 @@ class SamplingParams:
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted once from every generated token's logit
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # subtracted per occurrence of a generated token
     seed: int | None = Field(None, ge=0, le=2**64 - 1)  # per-request RNG seed; None draws one
+    # token id -> a bias added to its logit, after the grammar mask and before the penalties (its ids are checked
+    # against the vocabulary by `GenerationRequest.validate`)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases(cls, value: Any) -> dict[int, float]:
+        """At most MAX_LOGIT_BIAS entries, each a token id (an integer, at least 0) -> a finite bias in range;
+        InvalidRequest names the entry (`logit_bias.50256`)."""
+        if not isinstance(value, dict):
+            raise InvalidRequest("logit_bias", f"must map token ids to biases; got {_short(value)}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("logit_bias", f"has {len(value)} entries; the most allowed is {MAX_LOGIT_BIAS}")
+        for token, bias in value.items():
+            if not _is_int(token) or token < 0:
+                raise InvalidRequest(f"logit_bias.{token}", f"{token!r} is not a token id (an integer, at least 0)")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+                raise InvalidRequest(f"logit_bias.{token}", f"must be a number; got {_short(bias)}")
+            if isinstance(bias, float) and not math.isfinite(bias):
+                raise InvalidRequest(f"logit_bias.{token}", f"{bias!r} is not a finite number")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise InvalidRequest(f"logit_bias.{token}", f"{_short(bias)} is outside [-100, 100]")
+        return {token: float(bias) for token, bias in value.items()}
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +84,10 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias)
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -78,6 +109,9 @@ def build(cls: type, prefix: str, values: dict[str, Any]):
     try:
         return cls(**values)
     except ValidationError as e:
+        cause = e.errors()[0].get("ctx", {}).get("error")  # a validator's own InvalidRequest, kept as it is
+        if isinstance(cause, InvalidRequest):
+            raise InvalidRequest(f"{prefix}.{cause.field}", str(cause).removeprefix(cause.field + ": ")) from None
         raise invalid_request(e, cls, prefix) from None
 
 
@@ -199,6 +233,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     speculative: bool = True  # may use speculative decoding where the engine runs it (False: never)
     beam: BeamParams | None = None  # beam search: the n best of beam.width beams, in place of sampling
+    # waiting requests are admitted by priority (lower first), then arrival; a running request is never preempted
+    # for a more urgent one
+    priority: int = 0
 
     def __post_init__(self):
         self.logprobs = self.logprobs or self.top_logprobs > 0
@@ -215,6 +252,10 @@ class GenerationRequest:
             raise InvalidRequest("sampling.top_k", f"{s.top_k} is outside [0, {vocab_size}] (the vocabulary)")
         _int_range("n", self.n, 1, limits.max_n)
         _int_range("top_logprobs", self.top_logprobs, 0, limits.max_top_logprobs)
+        _int_range("priority", self.priority, *PRIORITY_RANGE)
+        for t in s.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequest(f"sampling.logit_bias.{t}", f"{t} is outside the vocabulary [0, {vocab_size - 1}]")
         if self.beam is not None:
             self._validate_beam(limits)
         if self.prompt_logprobs is not None:
@@ -265,7 +306,7 @@ class GenerationRequest:
                    "stopping.ignore_eos": st.ignore_eos, "sampling.top_k": s.top_k > 0, "sampling.top_p": s.top_p < 1.0,
                    "sampling.min_p": s.min_p > 0, "sampling.repetition_penalty": s.repetition_penalty != 1.0,
                    "sampling.presence_penalty": s.presence_penalty != 0.0,
-                   "sampling.frequency_penalty": s.frequency_penalty != 0.0}
+                   "sampling.frequency_penalty": s.frequency_penalty != 0.0, "sampling.logit_bias": s.biased}
         for name, set_ in refused.items():
             if set_:
                 raise InvalidRequest(name, "does not apply to beam search, which ranks whole hypotheses by the "

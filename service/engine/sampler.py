@@ -1,12 +1,14 @@
 """Logits -> next tokens for a whole batch at once: pure numpy, per-row parameters, per-row RNG.
 
-    grammar masks (structured output) -> penalties (repetition, presence, frequency) -> suppression
-    (min_new_tokens) -> greedy rows: argmax
+    grammar masks (structured output) -> logit bias -> penalties (repetition, presence, frequency) ->
+    suppression (min_new_tokens) -> greedy rows: argmax
     -> other rows: / temperature -> softmax -> top-k, top-p, min-p -> inverse-CDF draw with the row's RNG
 
 Every operation is row-wise, and each row draws its uniform number from its own generator, so a
-seeded sequence samples the same tokens alone or in any batch. Reported logprobs are the model's
-own (log-softmax of the raw logits), as vLLM reports them, not of the adjusted distribution.
+seeded sequence samples the same tokens alone or in any batch (a row's bias, like its penalties, is
+added to its own row of a copy of the logits). Reported logprobs are the model's own (log-softmax of
+the raw logits), as vLLM reports them, not of the adjusted distribution: a logit bias changes which
+tokens are chosen, not the logprobs reported for them.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import numpy as np
 from service.engine.request import SamplingParams
 
 NO_IDS = np.empty(0, dtype=np.int64)
+NO_BIAS = np.empty(0, dtype=np.float32)
 
 
 @dataclass
 class SequenceSampling:
     """One sequence's sampling, kept between steps: its parameters, its own seeded generator, which logprobs it
-    reports, and the history the sampler's adjustments read (the counts and seen ids its penalties need, the
-    ids it suppresses until `min_tokens` are generated)."""
+    reports, its logit bias as arrays, and the history the sampler's adjustments read (the counts and seen ids
+    its penalties need, the ids it suppresses until `min_tokens` are generated)."""
 
     params: SamplingParams
     rng: np.random.Generator  # this sequence's own generator
@@ -36,6 +39,8 @@ class SequenceSampling:
     suppress: np.ndarray = field(default_factory=lambda: NO_IDS)  # ids masked while < `min_tokens` are generated
     min_tokens: int = 0
     generated: int = 0
+    bias_ids: np.ndarray = field(default_factory=lambda: NO_IDS)  # the ids `params.logit_bias` biases ...
+    bias: np.ndarray = field(default_factory=lambda: NO_BIAS)  # ... and each one's bias (float32)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int], vocab_size: int, seed: int, index: int = 0, *,
@@ -43,6 +48,9 @@ class SequenceSampling:
                min_tokens: int = 0) -> SequenceSampling:
         state = cls(params, np.random.default_rng([seed, index]), vocab_size, want_logprobs, top_logprobs,
                     suppress=suppress, min_tokens=min_tokens)
+        if params.biased:
+            state.bias_ids = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
+            state.bias = np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias))
         if params.penalised:
             state.counts = np.zeros(vocab_size, dtype=np.int32)
             state.seen = np.zeros(vocab_size, dtype=bool)
@@ -70,7 +78,7 @@ class SequenceSampling:
 class SamplingBatch:
     """The parameters of a batch of rows as vectors, built once while the rows stay the same (the
     engine keeps one for its decode rows), so a step loops over rows only for per-row state: the
-    penalised rows' counts, the rows still suppressing ids, and one RNG draw per sampled row."""
+    biased and penalised rows, the rows still suppressing ids, and one RNG draw per sampled row."""
 
     def __init__(self, states: list[SequenceSampling]):
         self.states = states
@@ -83,7 +91,8 @@ class SamplingBatch:
         self.filtered = np.array([p.filtered for p in drawn], dtype=bool)  # among the drawn rows
         kept = [p for p in drawn if p.filtered]
         self.filters = Filters.of(kept)
-        self.penalised = [i for i, s in enumerate(states) if s.counts is not None]
+        # the rows whose logits every step adjusts: a bias, penalties
+        self.adjusted = [i for i, s in enumerate(states) if s.counts is not None or s.bias_ids.size]
         self.may_suppress = [i for i, s in enumerate(states) if s.suppress.size and s.min_tokens]
         self.logprob_rows = np.flatnonzero([s.want_logprobs or s.top_logprobs for s in states])
         self.top_n = max((s.top_logprobs for s in states), default=0)
@@ -126,11 +135,14 @@ class SampleOutput:
         return list(zip(self.top_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist(), strict=True))
 
 
-def apply_penalties(logits: np.ndarray, states: list[SequenceSampling], rows: list[int] | None = None) -> None:
-    """Penalties and suppression, in place, for `rows` (default: every row)."""
+def apply_adjustments(logits: np.ndarray, states: list[SequenceSampling], rows: list[int] | None = None) -> None:
+    """Logit bias, penalties and suppression, in place, for `rows` (default: every row). A bias added to -inf
+    (a token the grammar masks) leaves it -inf: no bias makes a masked token possible."""
     for i in range(len(states)) if rows is None else rows:
         s = states[i]
         p = s.params
+        if s.bias_ids.size:
+            logits[i, s.bias_ids] += s.bias
         if s.counts is not None:
             row = logits[i]
             if p.repetition_penalty != 1.0:
@@ -246,19 +258,19 @@ def sample(logits: np.ndarray, batch: SamplingBatch | list[SequenceSampling], to
     if not isinstance(batch, SamplingBatch):
         batch = SamplingBatch(batch)
     states = batch.states
-    adjust = batch.penalised + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.penalised]
+    adjust = batch.adjusted + [i for i in batch.may_suppress if states[i].suppressing and i not in batch.adjusted]
     adjusted = logits
     if masks is not None:
         rows, allowed = masks
-        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties may write into it
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: biases and penalties may write into it
         if len(rows) == len(logits):
             np.copyto(adjusted, np.float32(-np.inf), where=~allowed)
         else:
             adjusted[rows] = np.where(allowed, adjusted[rows], np.float32(-np.inf))
     elif adjust:
-        adjusted = np.array(logits, dtype=np.float32)  # own copy: penalties write into it
+        adjusted = np.array(logits, dtype=np.float32)  # own copy: biases and penalties write into it
     if adjust:
-        apply_penalties(adjusted, states, adjust)
+        apply_adjustments(adjusted, states, adjust)
     if batch.all_greedy:
         tokens = adjusted.argmax(axis=1)
     else:

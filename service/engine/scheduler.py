@@ -1,14 +1,18 @@
 """Who runs in the next step: iteration-level (continuous) batching under a token budget.
 
 Every step spends one token per running sequence (the decode rows, slots [0, used)) and offers
-the rest of `max_batch_tokens` to prefill, first come first served:
+the rest of `max_batch_tokens` to prefill, in the waiting queue's order (`waiting_queue.py`): by
+priority, lower first, then first come first served:
 
 - If a long prompt is part-way through prefill, its next chunk takes the whole remaining budget.
-- Otherwise waiting requests are admitted in arrival order while a KV slot and the KV blocks are
+- Otherwise waiting requests are admitted in that order while a KV slot and the KV blocks are
   free for each of their n sequences, `max_running` is respected, and their prompts (right-padded
   to the longest) fit the budget. They are prefilled together in one call, into consecutive new slots.
 - A prompt longer than the budget on its own is chunked: its first chunk starts now, and the
-  requests behind it wait. FCFS means no request is overtaken, so none waits unboundedly.
+  requests behind it wait. No request is overtaken by one of its own priority or a less urgent one, so
+  among equals none waits unboundedly; a steady stream of more urgent requests can hold it back.
+
+Priority orders admission only: a running request is never preempted because a more urgent one arrives.
 
 So decode never stalls for more than one budgeted step, however long the prompts are.
 
@@ -17,11 +21,12 @@ when it is admitted, and one more whenever its decode reaches the end of what it
 before each step). A request of one sampled sequence takes no more: it is preemptible. A request
 that forks (n > 1, beams), scores its prompt or is an encoder-decoder's gets at admission the blocks
 for its whole completion (prompt + max_new_tokens, per sequence), and never grows. When a sequence
-must grow and no block is free, the prefix cache gives blocks back first; then the newest running
-preemptible request is preempted: its slot and blocks are freed, and it goes back to the head of the
-queue to be prefilled again, prompt and output so far, when blocks are free (recomputation, as vLLM
-does on a GPU; on a CPU "swapping" out would use the same memory). It then feeds its last token and
-decodes on, its output streamed as before.
+must grow and no block is free, the prefix cache gives blocks back first; then a running preemptible
+request is preempted, the least urgent first (the highest priority number), the newest of those first:
+its slot and blocks are freed, and it goes back to the queue, keeping its priority and arrival (so ahead
+of every request of its priority that arrived after it), to be prefilled again, prompt and output so far,
+when blocks are free (recomputation, as vLLM does on a GPU; on a CPU "swapping" out would use the same
+memory). It then feeds its last token and decodes on, its output streamed as before.
 
 With a prefix cache, a prompt whose first blocks are cached gets them copied into its slot and
 continues from there, like the rest of a chunked prompt: it runs alone in its call (onnxruntime's
@@ -37,7 +42,6 @@ reports what ran (`prefilled`, `decoded`, `kept_drafts`, `feed`, `free`, `drop`)
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +49,7 @@ import numpy as np
 from service.engine.kv_cache import KVCache
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import RequestState, Sequence, Status
+from service.engine.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class Scheduler:
         # the prompts are an encoder-decoder's sources: each is encoded whole (never chunked), and what its
         # prefill leaves in the cache is one target position, the decoder start token
         self.encoder_decoder = encoder_decoder
-        self.waiting: deque[RequestState] = deque()
+        self.waiting = WaitingQueue()
         self.chunking: Sequence | None = None  # a long prompt part-way through prefill
 
     @property
@@ -149,7 +154,7 @@ class Scheduler:
         return self.kv.used + self.kv.reserved
 
     def add(self, state: RequestState) -> None:
-        self.waiting.append(state)
+        self.waiting.add(state)
 
     def schedule(self) -> Batch:
         self._grow()
@@ -181,8 +186,8 @@ class Scheduler:
         return blocks <= self.kv.free_blocks
 
     def _grow(self) -> None:
-        """Give each decoding row the blocks for what its next step writes, preempting the newest preemptible
-        requests when none are free."""
+        """Give each decoding row the blocks for what its next step writes, preempting preemptible requests when
+        none are free: the least urgent first, the newest of those first."""
         for seq in self.kv.owners[:self.kv.used]:  # a preemption moves slots: each sequence is seen once
             if seq.slot is None or seq.status is not Status.DECODING:
                 continue
@@ -190,7 +195,7 @@ class Scheduler:
             while seq.slot is not None and not self._room(self.kv.missing(seq.slot, needed)):
                 victim = max((s.request_state for s in self.kv.owners[:self.kv.used]
                               if s is not None and self.preemptible(s.request_state)),
-                             key=lambda state: state.admitted, default=None)
+                             key=lambda state: (state.request.priority, state.admitted), default=None)
                 if victim is None:  # only fully reserved requests hold blocks: they never grow, so this cannot be
                     raise RuntimeError(f"no KV block free for a sequence of {needed} positions, none preemptible")
                 self.preempt(victim)
@@ -198,7 +203,8 @@ class Scheduler:
                 self.kv.grow(seq.slot, needed)
 
     def preempt(self, state: RequestState) -> None:
-        """Free a preemptible request's slot and blocks and queue it first, to be prefilled again with its output."""
+        """Free a preemptible request's slot and blocks and queue it again (at its priority and arrival), to be
+        prefilled again with its output."""
         seq = state.seqs[0]
         seq.resume = state.prompt + seq.output_ids[:-1] if seq.output_ids else None
         moved = self.kv.release(seq.slot)
@@ -207,7 +213,7 @@ class Scheduler:
         seq.slot, seq.num_prefilled, seq.status = None, 0, Status.WAITING
         if self.chunking is seq:
             self.chunking = None
-        self.waiting.appendleft(state)
+        self.waiting.add(state)
         self.preemptions += 1
 
     # ---- admission -------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     reserved: int = 0  # KV slots promised to siblings not yet forked
     blocks_each: int = 0  # KV blocks each of its sequences got at admission (and each reserved slot holds)
-    admitted: int = -1  # admission order (the newest running request is preempted first); -1: never admitted
+    admitted: int = -1  # admission order (of equally urgent ones, the newest running is preempted first); -1: never
+    arrival_order: int = -1  # order of arrival in the waiting queue, kept across preemptions; -1: never queued
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     # the prompt's logprobs as its chunks are prefilled, when the request asks for them
     prompt_logprobs: list[PromptLogprob] | None = None

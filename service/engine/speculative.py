@@ -16,7 +16,7 @@ position j's logits are the target's distribution after the drafts before j. `ac
   keeps d if it is that token; so the sampled output does not depend on which steps speculated. After k
   kept drafts the target's last position gives one more token.
 
-p is what the sampler would draw from at that position: the grammar mask, penalties and suppression
+p is what the sampler would draw from at that position: the grammar mask, logit bias, penalties and suppression
 as if the drafts before it were generated, then temperature and top-k/top-p/min-p. Every uniform
 number comes from the sequence's own generator, so a seeded request repeats itself.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.sampler import SamplingBatch, SequenceSampling, apply_penalties, sample_rows
+from service.engine.sampler import SamplingBatch, SequenceSampling, apply_adjustments, sample_rows
 
 MAX_NGRAM = 3  # the longest suffix looked up in the history
 MIN_NGRAM = 1
@@ -130,11 +130,12 @@ def _match(adjusted: np.ndarray, drafts: list[int], state: SequenceSampling) -> 
 def target_logits(logits: np.ndarray, drafts: list[int], state: SequenceSampling,
                   allowed: np.ndarray | None) -> np.ndarray:
     """Each position's logits as the sampler would adjust them, the drafts before it counted as generated:
-    the grammar mask, then penalties and suppression (the same operations `sample` applies, row by row)."""
+    the grammar mask, then logit bias, penalties and suppression (the same operations `sample` applies, row
+    by row)."""
     adjusted = np.array(logits, dtype=np.float32)
     if allowed is not None:
         np.copyto(adjusted, np.float32(-np.inf), where=~allowed)
-    if state.counts is None and not state.suppressing:  # suppression only ever ends
+    if state.counts is None and not state.bias_ids.size and not state.suppressing:  # suppression only ever ends
         return adjusted
     ahead = copy.copy(state)
     if state.counts is not None:
@@ -142,5 +143,5 @@ def target_logits(logits: np.ndarray, drafts: list[int], state: SequenceSampling
     for j in range(len(logits)):
         if j:
             ahead.accept(drafts[j - 1])
-        apply_penalties(adjusted[j:j + 1], [ahead])
+        apply_adjustments(adjusted[j:j + 1], [ahead])
     return adjusted

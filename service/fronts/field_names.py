@@ -1,9 +1,10 @@
 """The engine's field names as each front spells them.
 
 Every rule about a request is written once and names fields as the engine does: `sampling.temperature`,
-`stopping.max_new_tokens`, `beam.width`, `prompt_token_ids[3]`, `constraint`. A front whose protocol spells
-a field otherwise holds a `FieldNames`, engine name -> its own, and turns every `InvalidRequest` into its
-own terms before the client sees it, so that an error names only fields the client's protocol has:
+`stopping.max_new_tokens`, `beam.width`, `prompt_token_ids[3]`, `constraint`, and a map's entry by its key
+(`sampling.logit_bias.50256`). A front whose protocol spells a field otherwise holds a `FieldNames`, engine
+name -> its own, and turns every `InvalidRequest` into its own terms before the client sees it, so that an
+error names only fields the client's protocol has:
 
     GRPC_NAMES = FieldNames({"beam.width": "beam_width", ...})     # constant: the proto never changes
     names = openai_names(...)                                       # HTTP: one per request, built once
@@ -33,9 +34,13 @@ class FieldNames:
     keep_index: bool = True  # name an item (`stopping.stop[1]`); False names its list alone (`stop`)
 
     def name(self, engine_field: str) -> str:
-        """`engine_field` (`stopping.stop[1]`) as the front spells it."""
+        """`engine_field` (`stopping.stop[1]`; a map's entry by its key, `sampling.logit_bias.50256`) as the
+        front spells it."""
         index = _INDEX.search(engine_field)
         base = engine_field[:index.start()] if index else engine_field
+        owner, _, key = base.rpartition(".")
+        if base not in self.spelling and key.isdigit() and owner in self.spelling:
+            return f"{self.spelling[owner]}.{key}"
         return self.spelling.get(base, base) + (index.group() if index and self.keep_index else "")
 
     def renamed(self, error: InvalidRequest) -> InvalidRequest:

@@ -52,6 +52,7 @@ class RequestFields(BaseModel):
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives per token
     truncate_prompt: bool = False
     constraint: Constraint | None = None  # structured output: the grammar every completion must match
+    priority: int = 0  # admission order: lower first (range: GenerationRequest.validate)
 
     @field_validator("request_id")
     @classmethod
@@ -127,7 +128,8 @@ def accept(fields: dict[str, Any], sampling: dict[str, Any], stopping: dict[str,
     request = GenerationRequest(uuid.uuid4().hex, ids, build(SamplingParams, "sampling", sampling),
                                 build(StoppingCriteria, "stopping", stopping), n=f.n, top_logprobs=f.top_logprobs,
                                 logprobs=f.logprobs, truncate_prompt=f.truncate_prompt,
-                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint, beam=beam_params)
+                                prompt_logprobs=f.prompt_logprobs, constraint=f.constraint, beam=beam_params,
+                                priority=f.priority)
     if text is None and f.echo:
         text = model.tokenizer.decode(ids) if all(0 <= t < model.tokenizer.vocab_size for t in ids) else ""
     return AcceptedRequest(request, f.request_id or request.request_id, text or "", f.echo, prompt_only)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from service.engine.request import SamplingParams
-from service.engine.sampler import SequenceSampling, apply_penalties, sample
+from service.engine.sampler import SequenceSampling, apply_adjustments, sample
 
 V = 12
 
@@ -181,14 +181,14 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     s = state(prompt=[0, 1], vocab=6, repetition_penalty=2.0)
     s.accept(4)
     out = row.copy()
-    apply_penalties(out, [s])
+    apply_adjustments(out, [s])
     np.testing.assert_allclose(out[0], [2.0, -2.0, 3.0, -0.5, 0.5, 0.0])
     # the ranking changes: the prompt's token 0 loses its lead to token 2
     assert sample(row, [state(prompt=[0], vocab=6, temperature=0.0, repetition_penalty=2.0)]).tokens[0] == 2
     assert sample(row, [state(prompt=[0], vocab=6, temperature=0.0)]).tokens[0] == 0
     # below 1 it rewards repetition instead
     out = np.array([[1.0, 1.2, -3.0]], dtype=np.float32)
-    apply_penalties(out, [state(prompt=[0, 2], vocab=3, repetition_penalty=0.5)])
+    apply_adjustments(out, [state(prompt=[0, 2], vocab=3, repetition_penalty=0.5)])
     np.testing.assert_allclose(out[0], [2.0, 1.2, -1.5])
 
 
@@ -197,13 +197,13 @@ def test_presence_and_frequency_penalties_subtract_for_generated_tokens():
     for t in (1, 1, 1, 3):
         s.accept(t)
     out = np.zeros((1, 6), dtype=np.float32)
-    apply_penalties(out, [s])
+    apply_adjustments(out, [s])
     # token 1: 0.5 + 3 x 0.25; token 3: 0.5 + 0.25; the prompt's token 5 and unseen ones: untouched
     np.testing.assert_allclose(out[0], [0.0, -1.25, 0.0, -0.75, 0.0, 0.0])
     neg = state(vocab=3, presence_penalty=-1.0, frequency_penalty=-0.5)
     neg.accept(2)
     out = np.zeros((1, 3), dtype=np.float32)
-    apply_penalties(out, [neg])
+    apply_adjustments(out, [neg])
     np.testing.assert_allclose(out[0], [0.0, 0.0, 1.5])
 
 

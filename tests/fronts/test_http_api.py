@@ -337,7 +337,9 @@ def error_of(response: httpx2.Response) -> dict:
     ({"prompt": PROMPT, "echo": True, "logprobs": 21}, "logprobs"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ({"prompt": PROMPT, "suffix": "end"}, "suffix"),
-    ({"prompt": PROMPT, "logit_bias": {"5": 100}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"prompt": PROMPT, "logit_bias": {"five": 1}}, "logit_bias.five"),
+    ({"prompt": PROMPT, "priority": 2**31}, "priority"),
     ({"prompt": PROMPT, "timeout": -2}, "timeout"),
     ([1, 2], "body"),
 ])

@@ -47,17 +47,21 @@ ACCEPTED = {
     "user": {"user": "u1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": False},
     "service_tier": {"service_tier": "auto"}, "prompt_cache_key": {"prompt_cache_key": "k"},
     "safety_identifier": {"safety_identifier": "s"}, "modalities": {"modalities": ["text"]},
-    "logit_bias": {"logit_bias": {}}, "suffix": {"suffix": ""}, "best_of": {"best_of": 1},
+    "logit_bias": {"logit_bias": {"5": -100, "6": 2.5}}, "priority": {"priority": -3}, "suffix": {"suffix": ""}, "best_of": {"best_of": 1},
     "use_beam_search": {"use_beam_search": True, "n": 2, "temperature": 0},
     "length_penalty": {"use_beam_search": True, "best_of": 2, "length_penalty": 0.5},
     "early_stopping": {"use_beam_search": True, "best_of": 2, "early_stopping": "never"},
 }
-# the refusals the table documents: a value the server cannot honour, refused naming the field
+# the refusals the table documents: a value the server cannot honour, refused naming the field (a map's entry
+# by its key)
 REFUSED = {
-    "tool_choice": "required", "store": True, "modalities": ["audio"],
-    "logit_bias": {"5": 1}, "suffix": "x", "best_of": 2, "length_penalty": 2.0, "early_stopping": True,
-    "max_reasoning_chars": 0, "continue_final_message": True,
+    "tool_choice": "required", "store": True, "modalities": ["audio"], "suffix": "x", "best_of": 2,
+    "length_penalty": 2.0, "early_stopping": True, "priority": 2**31, "max_reasoning_chars": 0,
+    "continue_final_message": True,
 }
+REFUSED_ENTRIES = [("logit_bias", {"7": 1, "x": 1}, "logit_bias.x"), ("logit_bias", {"7": 101}, "logit_bias.7"),
+                   ("logit_bias", {"100000": 1}, "logit_bias.100000"),
+                   ("logit_bias", dict.fromkeys(map(str, range(301)), 1), "logit_bias")]
 
 
 def documented(header: str = "| field | endpoints | type |", both: tuple[str, str] = ("completions", "chat")
@@ -121,6 +125,10 @@ def test_the_documented_refusals_name_their_field(api, endpoint):
         with pytest.raises(openai.BadRequestError) as e:
             post(api, endpoint, {field: value})
         assert e.value.body["param"] == field, (field, e.value.body)
+    for field, value, param in REFUSED_ENTRIES:
+        with pytest.raises(openai.BadRequestError) as e:
+            post(api, endpoint, {field: value})
+        assert e.value.body["param"] == param, (value, e.value.body)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)

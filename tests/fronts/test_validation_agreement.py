@@ -90,6 +90,18 @@ RULES = {
     "too many alternatives": Rule(
         dict(top_logprobs=21), {"completions": {"logprobs": 21}, "chat": {"logprobs": True, "top_logprobs": 21}},
         "top_logprobs", {"completions": "logprobs", "chat": "top_logprobs"}, "21 is outside [0, 20]"),
+    "a logit bias out of range": Rule(
+        dict(logit_bias={5: 101.0}), {"logit_bias": {"5": 101}}, "sampling.logit_bias.5", "logit_bias.5",
+        "is outside [-100, 100]"),
+    "a logit bias on an id outside the vocabulary": Rule(
+        dict(logit_bias={10**6: 1.0}), {"logit_bias": {"1000000": 1}}, "sampling.logit_bias.1000000",
+        "logit_bias.1000000", "1000000 is outside the vocabulary"),
+    "too many logit biases": Rule(
+        dict(logit_bias=dict.fromkeys(range(301), 1.0)), {"logit_bias": dict.fromkeys(map(str, range(301)), 1)},
+        "sampling.logit_bias", "logit_bias", "has 301 entries; the most allowed is 300"),
+    "beam search with a logit bias": Rule(
+        dict(beam_width=2, logit_bias={5: 1.0}), {**BEAM, "logit_bias": {"5": 1}}, "sampling.logit_bias", "logit_bias",
+        "does not apply to beam search"),
     "a prompt id outside the vocabulary": Rule(
         dict(prompt=[5, 10**9]), {"completions": {"prompt": [5, 10**9]}}, "prompt_token_ids[1]", "prompt",
         "1000000000 is outside the vocabulary"),

@@ -43,7 +43,8 @@ def parse_request(msg: pb.GenerateRequest, model: ModelFacts) -> AcceptedRequest
     fields = {"request_id": msg.request_id, "prompt": msg.prompt, "prompt_token_ids": ids,
               "n": msg.n or 1, "top_logprobs": msg.top_logprobs, "logprobs": msg.logprobs, "echo": msg.echo,
               "truncate_prompt": msg.truncate_prompt, "constraint": constraint(msg),
-              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None}
+              "prompt_logprobs": msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+              "priority": msg.priority}
     return accept(fields, sampling_values(msg.sampling), stopping_values(msg.stopping), beam_values(msg), model)
 
 
@@ -86,6 +87,8 @@ def sampling_values(msg: pb.SamplingParams) -> dict:
     for name in FLOAT_SAMPLING:
         if name in values:
             values[name] = _decimal(values[name])
+    if msg.logit_bias:
+        values["logit_bias"] = {token: _decimal(bias) for token, bias in msg.logit_bias.items()}
     return values
 
 

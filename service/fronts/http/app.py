@@ -241,7 +241,7 @@ class HttpFront:
                 default_max_new: int | None, names: FieldNames, request: Request) -> AcceptedRequest:
         """The engine request of `fields` and the body's sampling, stopping and beam search; errors named as the
         body names the fields (`names`), and the body's or the header's timeout as its deadline."""
-        fields = {**fields, "request_id": request.headers.get("x-request-id", "")}
+        fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "priority": body.priority or 0}
         try:
             accepted = accept(fields, body.sampling(), body.stopping(max_tokens), body.beam(), self.serving.model,
                               default_max_new)

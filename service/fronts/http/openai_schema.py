@@ -2,11 +2,11 @@
 
 Only types live here. Every range (temperature, top_p, n, max_tokens, the stop strings, ...) is the
 engine's and is checked by `service.fronts.validation.accept`, for this front and the gRPC front
-alike; the tools of a chat request are checked here (their names, `tool_choice` against them). No
-field is ignored: a field this server does not implement, whoever defines it, is refused by name
-(`extra="forbid"`, and `refuse_unsupported` for values it cannot honour, such as `suffix` or a
-`logit_bias`). The fields OpenAI accepts that change nothing here (`user`, ...) are listed in
-docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
+alike; the tools of a chat request are checked here (their names, `tool_choice` against them), and
+`logit_bias`'s keys read as token ids. No field is ignored: a field this server does not implement,
+whoever defines it, is refused by name (`extra="forbid"`, and `refuse_unsupported` for values it
+cannot honour, such as `suffix`). The fields OpenAI accepts that change nothing here (`user`, ...) are
+listed in docs/api.md. Messages and tools keep the keys they come with: the chat template reads them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Number | None = None
     seed: StrictInt | None = None
     user: StrictStr | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Number] | None = None  # token ids (as JSON object keys: strings) -> biases
     # vLLM's extensions
     top_k: StrictInt | None = None  # -1 or 0: no limit
     min_p: Number | None = None
@@ -95,10 +95,9 @@ class SamplingFields(BaseModel):
     best_of: StrictInt | None = None
     length_penalty: Number | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
+    priority: StrictInt | None = None  # vLLM's: admission order, lower first
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias", "is not supported by this server")
         if not self.use_beam_search and self.best_of is not None and self.best_of != (self.n or 1):
             raise InvalidRequest("best_of", "is supported only equal to n (every sampled completion is returned), "
                                  "or as the beam width with use_beam_search")
@@ -116,7 +115,8 @@ class SamplingFields(BaseModel):
         values = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "seed": self.seed,
-                  "top_k": 0 if self.top_k == -1 else self.top_k}
+                  "top_k": 0 if self.top_k == -1 else self.top_k,
+                  "logit_bias": None if self.logit_bias is None else token_biases(self.logit_bias)}
         return {name: value for name, value in values.items() if value is not None}
 
     def stopping(self, max_tokens: int | None) -> dict[str, Any]:
@@ -124,6 +124,24 @@ class SamplingFields(BaseModel):
         values = {"max_new_tokens": max_tokens, "min_new_tokens": self.min_tokens, "stop": stop,
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
         return {name: value for name, value in values.items() if value is not None}
+
+
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")  # a token id as an object key: a decimal integer
+
+
+def token_biases(biases: dict[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as the keys of a JSON object, so strings) as the engine's: id -> bias.
+    A key that is not a decimal integer, or names the same id as another ("05" and "5"), is refused by name;
+    the ids' and biases' ranges are the engine's (`SamplingParams`, `GenerationRequest.validate`)."""
+    out: dict[int, float] = {}
+    for key, bias in biases.items():
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequest(f"logit_bias.{key}", "is not a token id: the keys are token ids written as "
+                                 "decimal integers")
+        if int(key) in out:
+            raise InvalidRequest(f"logit_bias.{key}", f"names token {int(key)}, which another key names too")
+        out[int(key)] = bias
+    return out
 
 
 Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
