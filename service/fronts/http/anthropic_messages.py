@@ -11,39 +11,20 @@ this API spells them. `anthropic-version` and `anthropic-beta` headers are accep
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from service.engine.errors import InvalidRequest
 from service.fronts.call import Call
-from service.fronts.chat_output import OutputReader
 from service.fronts.field_names import FieldNames
 from service.fronts.http.anthropic_responses import MessageBuilder
 from service.fronts.http.anthropic_schema import CountTokensRequest, MessagesRequest
-from service.fronts.http.openai_schema import ChatCompletionRequest
+from service.fronts.http.chat_front import ChatFront
 from service.fronts.http.request_body import read_body
-from service.fronts.http.response_streams import BodyBuilder
-from service.fronts.serving_context import ServingContext
-from service.fronts.validation import AcceptedRequest
 
 # the chat request's field names (as the chat step names them) -> this API's
 MESSAGES_NAMES = FieldNames({"stop": "stop_sequences", "chat_template_kwargs": "thinking",
                              "response_format.json_schema.schema": "output_config.format.schema"})
-
-
-class ChatFront(Protocol):
-    """What the Messages API takes of the HTTP front (`HttpFront`): its serving context, its chat step and its
-    generation step."""
-
-    serving: ServingContext
-
-    async def accept_chat(self, request: Request, body: ChatCompletionRequest, size: int
-                          ) -> tuple[AcceptedRequest, OutputReader | None, FieldNames]: ...
-
-    async def generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
-                       builder: BodyBuilder, stream: bool, names: FieldNames) -> Response: ...
 
 
 class MessagesApi:

@@ -11,24 +11,20 @@ fields as the Responses request spells them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import Response
 
 from service.engine.errors import InvalidRequest
 from service.fronts.call import Call
+from service.fronts.http.chat_front import ChatFront
 from service.fronts.http.errors import HttpError
 from service.fronts.http.request_body import read_body
 from service.fronts.http.responses_body import ResponsesBody
 from service.fronts.http.responses_schema import STATELESS, ResponsesRequest, responses_error
 from service.fronts.status import HttpStatus
 
-if TYPE_CHECKING:
-    from service.fronts.http.app import HttpFront
 
-
-async def create(front: HttpFront, request: Request, call: Call) -> Response:
+async def create(front: ChatFront, request: Request, call: Call) -> Response:
     body, size = await read_body(request, ResponsesRequest, front.serving)
     try:
         accepted, reader, names = await front.accept_chat(request, body.chat_request(), size)
