@@ -36,7 +36,7 @@ from service.client.server_process import ServerProcess
 from service.engine.config import DEFAULT_BUNDLE
 
 DEFAULTS = dict(max_running=8, interactive=100, interval_s=0.25, interactive_prompt_tokens=8, interactive_tokens=8,
-                batch_requests=128, batch_prompt_tokens=32, batch_tokens=192, batch_priority=10)
+                batch_requests=512, batch_prompt_tokens=32, batch_tokens=192, batch_priority=10)
 QUICK = dict(max_running=2, interactive=4, interval_s=0.1, interactive_prompt_tokens=4, interactive_tokens=2,
              batch_requests=8, batch_prompt_tokens=4, batch_tokens=12)
 QUEUE_WAIT_S = 60.0  # the batch's requests must be queued within this long
