@@ -67,6 +67,7 @@ def checked(schema: type[BaseModel], data: Any, serving: ServingContext) -> tupl
     and nothing in it that the server cannot honour (the schema's `refuse_unsupported`)."""
     name = data.get("model") if isinstance(data, dict) else None
     model = serving.resolve(name if isinstance(name, str) else None)  # not a string: the schema says so
+    model.ready()
     check_counts(data, model)
     body = validated(schema, data)
     body.refuse_unsupported()

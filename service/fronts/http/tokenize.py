@@ -121,7 +121,6 @@ class Tokenization:
         self.serving.ready()
         data, size = await read_json(request, self.serving)
         body, model = checked(Detokenize, data, self.serving)
-        model.ready()
         tokenizer = model.facts.tokenizer
         for i, token in enumerate(body.tokens):
             if not 0 <= token < tokenizer.vocab_size:
