@@ -10,12 +10,12 @@ import grpc
 import httpx2  # the HTTP client the openai client brings
 import pytest
 
-from service.client import Client
+from service.client import Client, build_request
 from service.engine.cache_plan import activation_bytes
 from service.runtime.bundle import read_manifest
 from service.runtime.memory import budget_bytes, memory_limit
 from service.settings import ServerSettings, SettingsError, load_settings
-from tests.fronts.server_harness import ServerThread, free_port, settings
+from tests.fronts.server_harness import ServerThread, free_port, settings, slowed
 
 PROMPT = "transformer"  # a word: the encoder-decoder is a grapheme-to-phoneme model
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -198,3 +198,22 @@ def test_per_request_metrics_carry_the_model(several, http, bundles):
     generated = {s.labels.get("model"): s.value for s in families["attnserve_generated_tokens"].samples
                  if s.name == "attnserve_generated_tokens_total"}
     assert generated.get(name, 0) >= 8 and set(generated) <= set(bundles)
+
+
+def test_the_drain_ends_every_models_requests(engine_bundle, llama_bundle):
+    s = settings([engine_bundle, llama_bundle], warmup=False)
+    with ServerThread(s) as srv, Client(srv.address, timeout_s=60) as c:
+        calls = []
+        for name, model in srv.server.serving.models.items():
+            slowed(0.02)(model.engine.engine)  # still running when the grace period ends
+            calls.append(c.stub.GenerateStream(build_request("Rom.", model=name, max_new_tokens=100,
+                                                             ignore_eos=True), timeout=60))
+        for call in calls:
+            next(call)
+        srv.drain(grace_s=0.1).result(30)
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "grace period" in e.value.details()
+        for model in srv.server.serving.models.values():
+            assert not model.engine.engine.requests
