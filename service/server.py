@@ -148,7 +148,8 @@ class Server:
         for model in models:
             if model.state == "failed" or model.name in engines:
                 continue
-            self.loading = f"loading {model.name} (its graph chosen and self-checked, or as the cache says)"
+            self.loading = f"loading {_naming(models, model, '{}', 'the model')} (its graph chosen and self-checked, " \
+                           "or as the cache says)"
             with self._failing(models, model):
                 runners[model.name] = await in_loading_thread(lambda model=model: self._open(model.bundle))
         kv_bytes = None
@@ -167,11 +168,11 @@ class Server:
             engine = model.engine = engines[model.name]  # the drain shuts it down, whatever becomes of the model
             with self._failing(models, model):
                 if s.warmup:
-                    self.loading = f"warming up {model.name}"
+                    self.loading = f"warming up{_naming(models, model, ' {}')}"
                     await in_loading_thread(engine.engine.warm_up)  # before the engine thread owns the engine
                 engine.start()
                 if s.warmup:
-                    self.loading = f"rehearsing a few requests on {model.name}"
+                    self.loading = f"rehearsing a few requests{_naming(models, model, ' on {}')}"
                     await rehearse(engine)
                 model.attach(engine)
         if not any(m.state == "serving" for m in models):
@@ -260,6 +261,11 @@ class Server:
 
 
 T = TypeVar("T")
+
+
+def _naming(models: list[ModelContext], model: ModelContext, form: str, alone: str = "") -> str:
+    """What start-up's log says of `model`: `form` with its name among several, `alone` when it is the only one."""
+    return form.format(model.name) if len(models) > 1 else alone
 
 
 async def in_loading_thread(fn: Callable[[], T]) -> T:
