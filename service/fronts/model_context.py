@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from service.engine.async_engine import AsyncEngine
 from service.engine.errors import NotReady, Unavailable
@@ -22,6 +22,7 @@ from service.fronts.generation_defaults import sampling_defaults
 from service.fronts.token_texts import TokenTexts
 from service.fronts.validation import ModelFacts
 from service.runtime.bundle import BundleError, read_manifest
+from service.runtime.chat_template import ChatTemplate
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
@@ -41,7 +42,7 @@ class ModelContext:
         self.engine: AsyncEngine | None = None
         self.facts: ModelFacts | None = None
         self.texts: TokenTexts | None = None
-        self.chat_template: Any = None  # the HTTP front's (template, why there is none), read once
+        self.chat_template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none), read once
 
     def attach(self, engine: AsyncEngine) -> None:
         """The model is loaded and warm: it serves on `engine`."""

@@ -143,7 +143,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             logs.request_id.set(request.request_id or "-")
             self.serving.admit_calls()  # refused while loading or draining, before any parsing
             model = self.serving.resolve(request.model)
-            self.serving.admit(model)  # a model that does not serve is refused before parsing too
+            model.ready()  # a model that does not serve is refused before parsing too
             facts = model.facts
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
             accepted = await asyncio.to_thread(parse_request, request, facts) if long else \
