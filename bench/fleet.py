@@ -33,9 +33,8 @@ class Replica(ServerProcess):
     def streaming(self) -> int:
         """Calls it is sending tokens on now, from its metrics: those it sent a first token on, less those that
         ended whole (a call that failed after its first token would count on; none does before a kill)."""
-        m = self.metrics()
-        return round(m.get("attnserve_time_to_first_token_seconds_count", 0.0)
-                     - m.get("attnserve_request_duration_seconds_count", 0.0))
+        return round(self.summed("attnserve_time_to_first_token_seconds_count")
+                     - self.summed("attnserve_request_duration_seconds_count"))
 
     def log_records(self) -> list[dict]:
         """Every JSON log line of every life of this replica."""

@@ -98,8 +98,7 @@ class AttnserveFront(Front):
         return record
 
     def server_ttft(self) -> tuple[float, float]:
-        metrics = self.server.metrics()
-        return metrics.get(TTFT_SUM, 0.0), metrics.get(TTFT_COUNT, 0.0)
+        return self.server.summed(TTFT_SUM), self.server.summed(TTFT_COUNT)
 
 
 class LlamaFront(Front):

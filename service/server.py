@@ -3,10 +3,13 @@ OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful dra
 
     attnserve serve                                   # the shipped model: gRPC on 127.0.0.1:50051, HTTP on :8000
     attnserve serve --bundle my-bundle --host 0.0.0.0 --max-running 32
+    attnserve serve --bundle a --bundle b              # two models, each with its own engine; a the default
 
-Both fronts run in this process's one event loop, on the one engine (`ServingContext`): one model, one
-queue, one set of limits. Life cycle: bind the HTTP port (/health 503) -> load the bundle (its graph chosen
-and self-checked, or as `cache_dir` remembers it) -> warm up -> open the gRPC port, SERVING. On SIGTERM or
+Both fronts run in this process's one event loop (`ServingContext`); each model has its own engine (queue,
+scheduler, KV cache), a request's model name picks it. Life cycle: bind the HTTP port (/health 503) -> load
+each bundle in turn (its graph chosen and self-checked, or as `cache_dir` remembers it; with several, one that
+fails is logged and its model marked failed, and the others serve) -> plan each KV cache (several share the
+memory budget: `cache_plan.shared_kv_bytes`) -> warm up each -> open the gRPC port, SERVING. On SIGTERM or
 SIGINT: health NOT_SERVING, the gRPC port closes to new calls and new HTTP requests get 503, requests in
 flight on either front get `grace_period_s` to finish, then the process exits 0. A second SIGTERM or SIGINT
 during the drain ends the requests still in flight at once, with the error the end of the grace period would
@@ -33,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
+from service.engine.cache_plan import shared_kv_bytes
 from service.engine.core import Engine
 from service.engine.errors import EngineStopped
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -44,9 +48,11 @@ from service.fronts.grpc.servicer import SERVICE_NAME, TextGenerationService
 from service.fronts.http.app import HttpFront
 from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
+from service.fronts.model_context import ModelContext, served_models
 from service.fronts.ports import ensure_bindable, port_error
 from service.fronts.serving_context import ServingContext
 from service.runtime.graph_choice import open_serving_graph
+from service.runtime.static_runner import StaticRunner
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
@@ -68,7 +74,7 @@ class Server:
         self.serving = ServingContext(settings, self.metrics)
         self.service = TextGenerationService(self.serving)
         self.health = health.aio.HealthServicer()
-        self._engine = engine  # a prebuilt engine (tests); otherwise built from settings in start()
+        self._engine = engine  # a prebuilt engine of the default model (tests); otherwise built in start()
         self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
         self.loading: str | None = "starting up"  # what start-up is doing, for the log; None once serving
         self.port = 0  # the gRPC port, once bound (after the model is warm)
@@ -86,14 +92,18 @@ class Server:
 
     @property
     def engine(self) -> AsyncEngine | None:
-        return self.serving.engine
+        """The default model's engine."""
+        default = self.serving.default
+        return default.engine if default is not None else None
 
     async def start(self) -> None:
-        """Take the HTTP port (`/health` 503 while loading), load and warm the model, then open the gRPC port,
+        """Take the HTTP port (`/health` 503 while loading), load and warm the models, then open the gRPC port,
         SERVING from its first call: a balancer that knows nothing of health (nginx, an L4 proxy) cannot send
-        a call to a replica that is still loading."""
+        a call to a replica that is still loading. ValueError when two bundles share a name."""
         s = self.settings
         asyncio.get_running_loop().set_exception_handler(logs.ThrottledLoopErrors())
+        models = served_models(s)
+        self.serving.add(models)
         await self._set_health(NOT_SERVING)
         credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         ensure_bindable("port", s.host, s.port)  # before the model loads: a port in use fails at once
@@ -103,20 +113,14 @@ class Server:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         scheme = "https" if credentials else "http"
         self.loading = "loading the model (its graph chosen and self-checked, or as the cache says)"
-        log.info("loading the model%s%s", f"; HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1 "
-                 "answers 503 until it is warm" if self.http_port else "",
+        log.info("loading %s%s%s", "the model" if len(models) == 1 else f"{len(models)} models",
+                 f"; HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1 answers 503 until "
+                 f"{'it is' if len(models) == 1 else 'they are'} warm" if self.http_port else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
-        engine = self._engine = self._engine or await in_loading_thread(self._load)
-        if s.warmup:
-            self.loading = "warming up"
-            await in_loading_thread(engine.engine.warm_up)  # before the engine thread owns the engine
-        engine.start()
-        self.metrics.watch(engine.stats)
-        if s.warmup:
-            self.loading = "rehearsing a few requests"
-            await rehearse(engine)
+        await self._load_models(models)
+        self.metrics.watch(self.serving.stats)
         self.loading = None
-        self.serving.attach(engine)
+        self.serving.open()
         await self._set_health(SERVING)
         address = f"{s.host}:{s.port}"
         try:
@@ -127,18 +131,71 @@ class Server:
         if self.port == 0:
             raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
-        log.info("serving %s (%s graph): gRPC on %s:%d (%s%s)%s", self.serving.served_name(), engine.runner.graph_name,
-                 s.host, self.port, "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
+        serving = ", ".join(f"{m.name} ({m.engine.runner.graph_name} graph)" for m in models if m.state == "serving")
+        log.info("serving %s: gRPC on %s:%d (%s%s)%s", serving, s.host, self.port,
+                 "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f", HTTP :{self.http_port}" if self.http_port else "")
 
-    def _load(self) -> AsyncEngine:
-        """The engine, its graph opened through the cache of graph choices (`cache_dir`, `recheck`)."""
-        s, config = self.settings, self.settings.engine_config()
-        runner = open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
-                                    config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
-                                    recheck=s.recheck, kv_dtype=config.kv_dtype)
-        return AsyncEngine(config, engine=Engine(config, runner))
+    async def _load_models(self, models: list[ModelContext]) -> None:
+        """Each model's graph opened in turn; once all are, each one's engine planned (with several, from its
+        share of the memory budget), warmed up and started. With several models, one that fails is logged and
+        marked failed (its requests are told why) and the others serve; a single model's failure, or every
+        model's, fails the start-up."""
+        s = self.settings
+        runners: dict[str, StaticRunner] = {}
+        engines: dict[str, AsyncEngine] = {models[0].name: self._engine} if self._engine is not None else {}
+        for model in models:
+            if model.state == "failed" or model.name in engines:
+                continue
+            self.loading = f"loading {_naming(models, model, '{}', 'the model')} (its graph chosen and self-checked, " \
+                           "or as the cache says)"
+            with self._failing(models, model):
+                runners[model.name] = await in_loading_thread(lambda model=model: self._open(model.bundle))
+        kv_bytes = None
+        if len(models) > 1 and runners:
+            kv_bytes = shared_kv_bytes(s.engine_config(), [r.manifest.model for r in runners.values()])
+        for model in models:
+            if model.name in runners:
+                with self._failing(models, model):
+                    config = s.engine_config(model.bundle)
+                    if kv_bytes is not None:
+                        config = config.model_copy(update={"kv_cache_bytes": kv_bytes})
+                    engines[model.name] = AsyncEngine(config, engine=Engine(config, runners[model.name]))
+        for model in models:
+            if model.name not in engines:
+                continue
+            engine = model.engine = engines[model.name]  # the drain shuts it down, whatever becomes of the model
+            with self._failing(models, model):
+                if s.warmup:
+                    self.loading = f"warming up{_naming(models, model, ' {}')}"
+                    await in_loading_thread(engine.engine.warm_up)  # before the engine thread owns the engine
+                engine.start()
+                if s.warmup:
+                    self.loading = f"rehearsing a few requests{_naming(models, model, ' on {}')}"
+                    await rehearse(engine)
+                model.attach(engine)
+        if not any(m.state == "serving" for m in models):
+            raise RuntimeError("no model could be loaded: " + "; ".join(f"{m.name}: {m.failure}" for m in models))
+
+    @contextlib.contextmanager
+    def _failing(self, models: list[ModelContext], model: ModelContext):
+        """A failure of `model`'s loading: raised when it is the only model; otherwise logged, and the model
+        marked failed."""
+        try:
+            yield
+        except Exception as e:
+            if len(models) == 1:
+                raise
+            log.error("model %s (bundle %s) failed to load, the others serve on: %s", model.name, model.bundle, e)
+            model.fail(str(e) or type(e).__name__)
+
+    def _open(self, bundle) -> StaticRunner:
+        """`bundle`'s serving graph, opened through the cache of graph choices (`cache_dir`, `recheck`)."""
+        s, config = self.settings, self.settings.engine_config(bundle)
+        return open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
+                                  config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
+                                  recheck=s.recheck, kv_dtype=config.kv_dtype)
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything.
@@ -159,8 +216,8 @@ class Server:
         if closing is not None:
             await self.grpc.stop(grace=1.0)  # what is left: health watches
             await closing
-        if self._engine is not None:
-            await self._engine.shutdown()
+        for engine in self._engines():
+            await engine.shutdown()
         self.metrics.close()
         log.info("stopped")
 
@@ -187,10 +244,16 @@ class Server:
         else:
             log.warning("grace period over with %d request(s) in flight; ending them", self.serving.active)
             why = f"its grace period of {grace_s:g} s for requests in flight is over"
-        if self._engine is not None:
-            self._engine.end_all(EngineStopped(f"the server stopped before the request finished ({why})"))
+        if self._engines():
+            for engine in self._engines():
+                engine.end_all(EngineStopped(f"the server stopped before the request finished ({why})"))
             with contextlib.suppress(TimeoutError):  # each front sends its error (UNAVAILABLE, 503)
                 await asyncio.wait_for(self.serving.idle.wait(), timeout=END_WAIT_S)
+
+    def _engines(self) -> list[AsyncEngine]:
+        """Every engine built, serving or not (a model that failed after its engine started has one)."""
+        built = [m.engine for m in self.serving.models.values() if m.engine is not None]
+        return built or ([self._engine] if self._engine is not None else [])
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -198,6 +261,11 @@ class Server:
 
 
 T = TypeVar("T")
+
+
+def _naming(models: list[ModelContext], model: ModelContext, form: str, alone: str = "") -> str:
+    """What start-up's log says of `model`: `form` with its name among several, `alone` when it is the only one."""
+    return form.format(model.name) if len(models) > 1 else alone
 
 
 async def in_loading_thread(fn: Callable[[], T]) -> T:

@@ -1,6 +1,8 @@
 """The server's settings: one pydantic object, built once at start-up and passed in.
 
-`ServerSettings` is the engine's `EngineConfig` plus the fronts' own options. It reads them,
+`ServerSettings` is the engine's `EngineConfig` plus the fronts' own options; `bundle` is a list here (the
+models served: `--bundle A --bundle B`, or every bundle in `models_dir`), each model's engine configured by
+`engine_config(bundle)`. It reads them,
 highest priority first, from CLI flags, `ATTNSERVE_*` environment variables and an optional TOML
 or JSON config file (`--config` or `ATTNSERVE_CONFIG`). Nothing is read from the environment at
 import time: `load_settings` does it, once.
@@ -9,16 +11,24 @@ import time: `load_settings` does it, once.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    NoDecode,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from attnserve.arguments import HintingParser
-from service.engine.config import EngineConfig
+from service.engine.config import DEFAULT_BUNDLE, EngineConfig
+from service.runtime.bundle import MANIFEST_FILE
 
 ENV_PREFIX = "ATTNSERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -44,9 +54,16 @@ def default_cache_dir() -> Path:
 class ServerSettings(BaseSettings, EngineConfig):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", use_attribute_docstrings=True)
 
-    served_model_name: str | None = Field(None, min_length=1)
-    """name clients know the model by: HTTP /v1/models and each response's model, gRPC GetModelInfo; unset = the
-    bundle's name (attnserve export --name, else the exported folder's)"""
+    bundle: Annotated[list[Path], NoDecode] = [DEFAULT_BUNDLE]
+    """ONNX bundle directory (attnserve export); repeat the flag to serve several models, the first the default
+    (env and config file: a path, or a JSON list of them)"""
+    models_dir: Path | None = None
+    """serve every bundle directly under this folder (each a folder holding bundle.json), in name order, after those
+    bundle names (the shipped model is then served only if bundle names it)"""
+    served_model_name: Annotated[list[Annotated[str, Field(min_length=1)]], NoDecode] = []
+    """name clients know the model by: HTTP /v1/models and each request's and response's model, gRPC model fields;
+    unset = the bundle's name (attnserve export --name, else the exported folder's). With several bundles, give it
+    once per bundle, in their order, or not at all"""
     host: str = "127.0.0.1"
     """address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all interfaces)"""
     port: int = Field(50051, ge=0, le=65535)
@@ -109,6 +126,35 @@ class ServerSettings(BaseSettings, EngineConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """least severe level logged"""
 
+    @field_validator("bundle", "served_model_name", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, value: object) -> object:
+        """A list setting given once (a flag's single value, an env var, a TOML string) is a list of one; an env
+        var may hold a JSON list."""
+        if isinstance(value, str) and value.startswith("["):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"is not a JSON list: {e}") from None
+        return [value] if isinstance(value, (str, Path)) else value
+
+    @model_validator(mode="after")
+    def _models_are_named_once(self) -> ServerSettings:
+        if self.models_dir is not None:
+            if not self.models_dir.is_dir():
+                raise ValueError(f"models_dir: {self.models_dir} is not a folder")
+            found = sorted(p for p in self.models_dir.iterdir() if (p / MANIFEST_FILE).is_file())
+            if not found:
+                raise ValueError(f"models_dir: {self.models_dir} holds no bundle (a folder with {MANIFEST_FILE})")
+            self.bundle = (self.bundle if "bundle" in self.model_fields_set else []) + found
+        if not self.bundle:
+            raise ValueError("bundle: name at least one bundle")
+        if self.served_model_name and len(self.served_model_name) != len(self.bundle):
+            raise ValueError(f"served_model_name: {len(self.served_model_name)} name(s) for {len(self.bundle)} "
+                             "bundles; give one per bundle, in their order, or none (each is then known by its "
+                             "bundle's name)")
+        return self
+
     @model_validator(mode="after")
     def _security_settings_fit_together(self) -> ServerSettings:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -139,8 +185,10 @@ class ServerSettings(BaseSettings, EngineConfig):
         files = TomlConfigSettingsSource(settings_cls), JsonConfigSettingsSource(settings_cls)
         return init_settings, env_settings, *files
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
+    def engine_config(self, bundle: Path | None = None) -> EngineConfig:
+        """The engine settings of `bundle` (default: the first, the default model's)."""
+        values = {name: getattr(self, name) for name in EngineConfig.model_fields if name != "bundle"}
+        return EngineConfig(bundle=self.bundle[0] if bundle is None else bundle, **values)
 
 
 def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | str | None = None) -> ServerSettings:
@@ -172,11 +220,13 @@ def describe_errors(error: ValidationError) -> str:
     """One line per bad setting: its name, the env var that sets it, the value and what is allowed."""
     lines = []
     for err in error.errors():
-        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        name = str(err["loc"][0]) if err["loc"] else "settings"
         flag, env = flag_and_env(name)
         where = f" ({flag} / {env})" if err["loc"] else ""
+        item = "".join(f"[{p}]" for p in err["loc"][1:])  # a list setting's item
         got = f"; got {err['input']!r}" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
-        lines.append(f"{name}{where}: {err['msg'].removeprefix('Value error, ')}{got}")
+        lines.append(f"{name}{where}: {'item ' + item + ': ' if item else ''}{err['msg'].removeprefix('Value error, ')}"
+                     f"{got}")
     return "\n".join(lines)
 
 
@@ -193,12 +243,13 @@ def settings_parser(prog: str, description: str) -> argparse.ArgumentParser:
         flag, env = flag_and_env(name)
         flags = (flag, *FLAG_ALIASES.get(name, ()))
         default = info.get_default(call_default_factory=True)
-        shown = "unset" if default is None else str(default)
+        listed = get_origin(info.annotation) is list
+        shown = "unset" if default in (None, []) else " ".join(map(str, default)) if listed else str(default)
         help_ = f"{' '.join(info.description.split())} [default: {shown}; env {env}]"
         choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         if info.annotation is bool:
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, help=help_)
         else:
             p.add_argument(*flags, dest=name, choices=choices, metavar=name.upper() if not choices else None,
-                           help=help_)
+                           action="append" if listed else "store", help=help_)
     return p

@@ -40,7 +40,7 @@ def test_the_public_names_are_as_documented():
                                                  "GetServerInfo"]
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields] == [
         "request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs",
-        "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "priority",
+        "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "priority", "model",
         "json_schema", "json_object", "regex", "choice", "grammar"]
     logit_bias = pb.SamplingParams.DESCRIPTOR.fields_by_name["logit_bias"]
     assert logit_bias.message_type.GetOptions().map_entry  # token id -> bias

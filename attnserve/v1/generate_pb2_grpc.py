@@ -89,14 +89,16 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """/ Describe the loaded model: name, vocabulary, context, EOS, dtype, execution provider.
+        """/ Describe a served model (the request's, else the default): name, vocabulary, context, EOS, dtype,
+        / execution provider.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetServerInfo(self, request, context):
-        """/ Describe the server's load: running and waiting requests, free KV capacity, uptime.
+        """/ Describe the server's load, summed over its models: running and waiting requests, free KV capacity,
+        / uptime.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

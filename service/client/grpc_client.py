@@ -159,11 +159,15 @@ class Client:
             if msg.text:
                 yield msg.text
 
-    def tokenize(self, text: str) -> pb.TokenizeResponse:
-        return self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+    def tokenize(self, text: str, model: str = "") -> pb.TokenizeResponse:
+        """`text` in `model`'s tokens (empty: the server's default model)."""
+        return self.stub.Tokenize(pb.TokenizeRequest(text=text, model=model), timeout=self.timeout_s,
+                                  metadata=self.metadata)
 
-    def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+    def model_info(self, model: str = "") -> pb.ModelInfo:
+        """`model`'s description (empty: the server's default model)."""
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=self.timeout_s,
+                                      metadata=self.metadata)
 
     def server_info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
@@ -213,8 +217,9 @@ class AsyncClient:
             if msg.text:
                 yield msg.text
 
-    async def tokenize(self, text: str) -> pb.TokenizeResponse:
-        return await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout_s, metadata=self.metadata)
+    async def tokenize(self, text: str, model: str = "") -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(pb.TokenizeRequest(text=text, model=model), timeout=self.timeout_s,
+                                        metadata=self.metadata)
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)

@@ -178,6 +178,10 @@ class ServerProcess:
         return {key: float(value) for key, value in (line.rsplit(" ", 1) for line in lines
                                                       if line and not line.startswith("#"))}
 
+    def summed(self, name: str) -> float:
+        """A metric's series summed over their labels (a per-request series has one per model)."""
+        return sum(value for key, value in self.metrics().items() if key == name or key.startswith(name + "{"))
+
     def metric(self, name: str, **labels: str) -> float:
         """One series' value (labels in the order the server writes them), 0 while it has none."""
         key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")

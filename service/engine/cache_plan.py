@@ -2,13 +2,15 @@
 blocks of KV cache the memory budget holds beside the loaded model (docs/engine.md#kv-cache-memory).
 
     plan = plan_caches(config, runner)   # CachePlan: context, shape, n_slots, block_tokens, n_blocks, prefixes
+    kv = shared_kv_bytes(config, [runner.manifest.model for runner in runners])  # several models: each one's KV
 
 The budget is `memory_budget` (a fraction of the memory limit: the container's cgroup limit, else physical
 memory; or a size). Out of it come what the process holds once the model is loaded (weights, onnxruntime's
 sessions and arenas, Python), measured, and the activations of the largest step, estimated from the shapes
 (`activation_bytes`); the rest is the KV cache, shared by the sequences and the prefix cache, unless
 `kv_cache_bytes` names a smaller one. A plan that cannot hold one sequence at the served context is refused
-with the settings that fix it.
+with the settings that fix it. Several models in one process share the budget: once all are loaded, each
+engine's KV cache is an equal part of what their weights and largest steps leave (`shared_kv_bytes`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,25 @@ def plan_memory(config: EngineConfig, model: ModelSpec, shape: CacheShape, state
                              "Lower kv_cache_bytes or raise memory_budget")
         kv = config.kv_cache_bytes
     return MemoryPlan(limit, budget, held, activations, max(kv, 0))
+
+
+def shared_kv_bytes(config: EngineConfig, models: list[ModelSpec]) -> int:
+    """The KV cache of each of `models`, all loaded in this process and sharing its budget: the budget less what
+    the process holds now (every model, measured), each model's largest step and the margin, in equal parts.
+    `kv_cache_bytes`, when set, is each model's and must fit in its part (ValueError)."""
+    limit = memory_limit()
+    budget = budget_bytes(config.memory_budget, limit)
+    held = resident_bytes()
+    activations = sum(activation_bytes(m, min(config.max_context or m.n_ctx, m.n_ctx), config) for m in models)
+    share = max((budget - held - activations - MARGIN_BYTES) // len(models), 0)
+    if config.kv_cache_bytes is None:
+        return share
+    if config.kv_cache_bytes > share:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} ({config.kv_cache_bytes / GiB:.2f} GiB) for each of "
+                         f"{len(models)} models does not fit: memory budget {budget / GiB:.1f} GiB, {held / GiB:.2f} "
+                         f"GiB resident with every model loaded, activations up to {activations / GiB:.2f} GiB leave "
+                         f"{share / GiB:.2f} GiB each. Lower kv_cache_bytes or raise memory_budget")
+    return config.kv_cache_bytes
 
 
 def activation_bytes(model: ModelSpec, context: int, config: EngineConfig) -> int:

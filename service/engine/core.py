@@ -82,6 +82,7 @@ class Engine:
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
         plan = plan_caches(config, self.runner)
+        self.memory = plan.memory  # where the budget went
         self.context = plan.context  # positions per sequence, prompt + completion
         self.encoder_decoder = m.encoder_decoder  # its prompt is a source, encoded apart
         self.prefixes = plan.prefixes

@@ -46,3 +46,11 @@ class NotReady(Unavailable):
 
 class EngineStopped(Unavailable):
     """The engine is shutting down (draining) and takes no new work."""
+
+
+class UnknownModel(EngineError):
+    """The request names a model the server does not serve; the message names those it does."""
+
+    def __init__(self, name: str, served: list[str]):
+        super().__init__(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}")
+        self.name = name

@@ -3,7 +3,7 @@ calls by protocol, method and outcome.
 
     call = Call(serving, "grpc", "GenerateStream")
     call.accepted(accepted, stream)      # the engine took it
-    call.observe(events, stream)         # as tokens arrive
+    call.observe(events, stream)         # as tokens arrive (metrics labelled with the call's model)
     call.finished("OK", ok=True)         # once, however it ends
 """
 
@@ -15,6 +15,7 @@ import time
 from service import logs
 from service.engine.async_engine import RequestStream
 from service.engine.request import TokenEvent
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
 
@@ -27,6 +28,7 @@ class Call:
     def __init__(self, serving: ServingContext, protocol: str, method: str):
         self.serving, self.protocol, self.method = serving, protocol, method
         self.metrics = serving.metrics
+        self.model: ModelContext | None = None  # the model it runs on, once it is known
         self.admitted: AcceptedRequest | None = None  # its (first) request, once the engine took it
         self.streams: list[RequestStream] = []
         self.tokens = 0
@@ -39,23 +41,28 @@ class Call:
         self.streams.append(stream)
         logs.request_id.set(accepted.request_id)
         self.prompt_tokens += len(accepted.request.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(len(accepted.request.prompt_token_ids))
+        self.metrics.prompt_tokens.labels(self._model).inc(len(accepted.request.prompt_token_ids))
 
     def observe(self, events: list[TokenEvent], stream: RequestStream) -> None:
         key = id(stream)
         if events and key not in self._started:
             self._started.add(key)
             t = stream.timing
-            self.metrics.time_to_first_token.observe(t.first_token_at - t.arrival)
-            self.metrics.queue_duration.observe((t.scheduled_at or t.first_token_at) - t.arrival)
-        itl = self.metrics.inter_token_latency
+            self.metrics.time_to_first_token.labels(self._model).observe(t.first_token_at - t.arrival)
+            self.metrics.queue_duration.labels(self._model).observe((t.scheduled_at or t.first_token_at) - t.arrival)
+        itl = self.metrics.inter_token_latency.labels(self._model)
         for e in events:
             prev = self._last.get((key, e.index))
             if prev is not None:
                 itl.observe(e.time - prev)
             self._last[(key, e.index)] = e.time
         self.tokens += len(events)
-        self.metrics.generated_tokens.inc(len(events))
+        self.metrics.generated_tokens.labels(self._model).inc(len(events))
+
+    @property
+    def _model(self) -> str:
+        """The `model` label of its metrics (the engine took it, so the model is known)."""
+        return self.model.name if self.model is not None else ""
 
     def finished(self, code: str, ok: bool) -> None:
         """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
@@ -64,7 +71,7 @@ class Call:
             return
         total = time.monotonic() - min(s.timing.arrival for s in self.streams)
         if ok:
-            self.metrics.request_duration.observe(total)
+            self.metrics.request_duration.labels(self._model).observe(total)
             self.serving.completions.append(time.monotonic())
         log.info("%s %s %s", self.protocol, self.method, code, extra={
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})

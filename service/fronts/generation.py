@@ -2,7 +2,7 @@
 they arrive, and the guarantee that whatever ends the call (the last token, an error, the client going
 away) frees every KV slot it holds at the engine's next step, and counts it out of the drain.
 
-    gen = await Generation.start(serving, call, accepted_requests)   # every prompt submitted, or none
+    gen = await Generation.start(serving, call, model, accepted_requests)   # every prompt submitted, or none
     async for stream_index, events in gen.events(receive):   # receive: watch for a disconnect
         ...
     gen.close()                                # idempotent; cancels what is still running
@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from service.engine.async_engine import RequestStream
+from service.engine.async_engine import AsyncEngine, RequestStream
 from service.engine.errors import Cancelled, EngineError
 from service.engine.request import TokenEvent
 from service.engine.sequence import Timing
 from service.fronts.call import Call
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
 
@@ -29,23 +30,24 @@ class ClientGone(Cancelled):
 
 
 class Generation:
-    def __init__(self, serving: ServingContext, call: Call):
-        self.serving, self.call = serving, call
+    def __init__(self, serving: ServingContext, call: Call, model: ModelContext, engine: AsyncEngine):
+        self.serving, self.call, self.model, self.engine = serving, call, model, engine
         self.streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
     @classmethod
-    async def start(cls, serving: ServingContext, call: Call, accepted_requests: list[AcceptedRequest],
-                    whole: bool = False) -> Generation:
-        """Compile the requests' grammars (in worker threads), then submit every prompt, or none. `whole`:
-        the response is sent once every request has ended, so their events may arrive all at once."""
-        engine = serving.admit()
-        generation = cls(serving, call)
+    async def start(cls, serving: ServingContext, call: Call, model: ModelContext,
+                    accepted_requests: list[AcceptedRequest], whole: bool = False) -> Generation:
+        """Compile the requests' grammars (in worker threads), then submit every prompt to `model`'s engine, or
+        none. `whole`: the response is sent once every request has ended, so their events may arrive all at once."""
+        call.model = model
+        engine = serving.admit(model)
+        generation = cls(serving, call, model, engine)
         serving.in_flight_enter()
         try:
             grammars = await engine.compile([a.request for a in accepted_requests])
-            engine = serving.admit()  # still serving after the wait
+            engine = serving.admit(model)  # still serving after the wait
             for accepted, grammar in zip(accepted_requests, grammars, strict=True):
                 stream = engine.submit(accepted.request, grammar, whole=whole)
                 generation.streams.append(stream)
@@ -60,7 +62,7 @@ class Generation:
         (after the events before it); with `receive`, a disconnect ends it with `ClientGone`."""
         if len(self.streams) == 1 and receive is None:  # the common case needs no helper tasks
             stream = self.streams[0]
-            while batch := await self.serving.next_message(stream):
+            while batch := await self.serving.next_message(stream, self.engine):
                 self.call.observe(batch, stream)
                 yield 0, batch
             return
@@ -84,7 +86,7 @@ class Generation:
 
     async def _pump(self, index: int, stream: RequestStream, queue: asyncio.Queue) -> None:
         try:
-            while batch := await self.serving.next_message(stream):
+            while batch := await self.serving.next_message(stream, self.engine):
                 queue.put_nowait((index, batch))
             queue.put_nowait((index, None))
         except EngineError as e:

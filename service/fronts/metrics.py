@@ -1,9 +1,10 @@
 """Prometheus metrics, served over HTTP on their own port (`metrics_port`) at /metrics.
 
-Latency histograms are observed by each front as its requests progress (`call.Call`); the gauges and the
-engine's own counters (prefix cache, speculative decoding) read the engine's latest snapshot when Prometheus
-scrapes, so they cost nothing between scrapes. Each `Metrics` has its own registry, so several servers can live
-in one process (tests do).
+Latency histograms and token counters are observed by each front as its requests progress (`call.Call`),
+labelled with the request's `model`; the gauges and the engines' own counters (prefix cache, speculative
+decoding) read the latest snapshot of every model's engine when Prometheus scrapes, summed over them, so they
+cost nothing between scrapes. Each `Metrics` has its own registry, so several servers can live in one process
+(tests do).
 """
 
 from __future__ import annotations
@@ -33,23 +34,25 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
-            "attnserve_time_to_first_token_seconds", "Arrival to first generated token", buckets=LATENCY_BUCKETS_S,
-            registry=r)
+            "attnserve_time_to_first_token_seconds", "Arrival to first generated token", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=r)
         self.inter_token_latency = Histogram(
-            "attnserve_inter_token_latency_seconds", "Time between consecutive tokens of one completion",
+            "attnserve_inter_token_latency_seconds", "Time between consecutive tokens of one completion", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.request_duration = Histogram(
-            "attnserve_request_duration_seconds", "Arrival to last token of requests that finished",
+            "attnserve_request_duration_seconds", "Arrival to last token of requests that finished", ["model"],
             buckets=REQUEST_BUCKETS_S, registry=r)
         self.queue_duration = Histogram(
-            "attnserve_queue_duration_seconds", "Arrival to start of prefill", buckets=LATENCY_BUCKETS_S, registry=r)
+            "attnserve_queue_duration_seconds", "Arrival to start of prefill", ["model"], buckets=LATENCY_BUCKETS_S,
+            registry=r)
         self.requests_running = Gauge("attnserve_requests_running", "Requests holding KV cache slots", registry=r)
         self.requests_waiting = Gauge("attnserve_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_cache_usage = Gauge("attnserve_kv_cache_usage_ratio", "Share of the KV cache's tokens held by "
                                     "running sequences (0..1; the prefix cache's blocks count as free)",
                                     registry=r)
-        self.generated_tokens = Counter("attnserve_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("attnserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generated_tokens = Counter("attnserve_generated_tokens", "Tokens generated", ["model"], registry=r)
+        self.prompt_tokens = Counter("attnserve_prompt_tokens", "Prompt tokens of accepted requests", ["model"],
+                                     registry=r)
         self.requests = Counter("attnserve_requests", "Finished calls by protocol (grpc, http), method (RPC or "
                                 "path) and status (gRPC code name, HTTP status)", ["protocol", "method", "code"],
                                 registry=r)
@@ -63,10 +66,10 @@ class Metrics:
             "(0..1)", registry=r)
         self._http: WSGIServer | None = None
 
-    def watch(self, stats: Callable[[], EngineStats]) -> None:
-        """Read the gauges from `stats()` at scrape time."""
-        self.requests_running.set_function(lambda: stats().running_requests)
-        self.requests_waiting.set_function(lambda: stats().waiting_requests)
+    def watch(self, stats: Callable[[], list[EngineStats]]) -> None:
+        """Read the gauges from `stats()`, each serving engine's snapshot, at scrape time (once, at start-up)."""
+        self.requests_running.set_function(lambda: sum(s.running_requests for s in stats()))
+        self.requests_waiting.set_function(lambda: sum(s.waiting_requests for s in stats()))
         self.kv_cache_usage.set_function(lambda: _usage(stats()))
         self.prefix_cache_hit_rate.set_function(lambda: _hit_rate(stats()))
         self.registry.register(_EngineCounters(stats))
@@ -104,33 +107,37 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _usage(s: EngineStats) -> float:
-    return 1.0 - s.kv_free_tokens / s.kv_tokens if s.kv_tokens else 0.0
+def _usage(stats: list[EngineStats]) -> float:
+    tokens = sum(s.kv_tokens for s in stats)
+    return 1.0 - sum(s.kv_free_tokens for s in stats) / tokens if tokens else 0.0
 
 
-def _hit_rate(s: EngineStats) -> float:
-    return s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
+def _hit_rate(stats: list[EngineStats]) -> float:
+    queried = sum(s.prefix_queried_tokens for s in stats)
+    return sum(s.prefix_hit_tokens for s in stats) / queried if queried else 0.0
 
 
 class _EngineCounters(Collector):
     """The engine's counters (prefix cache, speculative decoding), read from its snapshot at scrape time (for
     rate()); speculative decoding's stay 0 while it is off."""
 
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], list[EngineStats]]):
         self.stats = stats
 
     def collect(self):
-        s = self.stats()
+        stats = self.stats()
+        spec = [s.speculation for s in stats]
         yield CounterMetricFamily("attnserve_prefix_cache_queried_tokens", "Prompt tokens of admitted requests "
-                                  "looked up in the prefix cache", value=s.prefix_queried_tokens)
+                                  "looked up in the prefix cache", value=sum(s.prefix_queried_tokens for s in stats))
         yield CounterMetricFamily("attnserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
-                                  "(keys and values copied, not computed)", value=s.prefix_hit_tokens)
+                                  "(keys and values copied, not computed)",
+                                  value=sum(s.prefix_hit_tokens for s in stats))
         yield CounterMetricFamily("attnserve_preemptions", "Sequences preempted, to be prefilled again later, when the "
-                                  "KV cache had no block free for them to grow", value=s.preemptions)
-        spec = s.speculation
+                                  "KV cache had no block free for them to grow",
+                                  value=sum(s.preemptions for s in stats))
         yield CounterMetricFamily("attnserve_spec_decode_drafts", "Drafts speculative decoding had the model check "
-                                  "(one per sequence and step)", value=spec.drafts)
+                                  "(one per sequence and step)", value=sum(s.drafts for s in spec))
         yield CounterMetricFamily("attnserve_spec_decode_draft_tokens", "Draft tokens speculative decoding had the "
-                                  "model check", value=spec.draft_tokens)
+                                  "model check", value=sum(s.draft_tokens for s in spec))
         yield CounterMetricFamily("attnserve_spec_decode_accepted_tokens", "Draft tokens the model kept (emitted "
-                                  "without a model call of their own)", value=spec.accepted_tokens)
+                                  "without a model call of their own)", value=sum(s.accepted_tokens for s in spec))

@@ -1,34 +1,32 @@
-"""What the fronts share at run time: the one engine, whether it takes work, what validation knows of the
-model, the requests in flight (for the drain) and the retry-after hint; the streaming cadence is
+"""What the fronts share at run time: the served models (`ModelContext`, by name), whether the server takes
+work, the requests in flight (for the drain) and the retry-after hint; the streaming cadence is
 `stream_cadence.py`'s, each call's metrics `call.py`'s.
 
     serving = ServingContext(settings, metrics)   # one per process; every front holds it
-    serving.attach(engine)                        # once the model is warm: fronts start accepting
-    engine = serving.admit()                      # NotReady while loading, EngineStopped once draining
+    serving.add(served_models(settings))          # at start-up: the models, the first the default
+    serving.open()                                # once the models are warm: fronts start accepting
+    model = serving.resolve(body.model)           # None or "" = the default; UnknownModel otherwise
+    engine = serving.admit(model)                 # NotReady while loading, EngineStopped once draining
     serving.in_flight_enter() ... serving.in_flight_leave()   # a generation in progress (`Generation` does it)
 
-One engine, one queue, one set of limits: a request over gRPC and one over HTTP are admitted by the
-same `AsyncEngine.submit`, counted in the same `active`, and drained together.
+Each model has its own engine (queue, scheduler, KV cache); the server's state is shared: a request over gRPC
+and one over HTTP, to any model, are counted in the same `active` and drained together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 
 from service.engine.async_engine import AsyncEngine, RequestStream
-from service.engine.errors import EngineStopped, NotReady
+from service.engine.core import EngineStats
+from service.engine.errors import EngineStopped, NotReady, UnknownModel
 from service.engine.request import TokenEvent
-from service.fronts.generation_defaults import sampling_defaults
 from service.fronts.metrics import Metrics
+from service.fronts.model_context import ModelContext
 from service.fronts.stream_cadence import StreamCadence
-from service.fronts.token_texts import TokenTexts
-from service.fronts.validation import ModelFacts
 from service.settings import ServerSettings
-
-log = logging.getLogger("attnserve.server")
 
 COMPLETION_WINDOW_S = 30.0  # completions counted for the retry-after hint
 
@@ -39,54 +37,66 @@ class ServingContext:
     def __init__(self, settings: ServerSettings, metrics: Metrics):
         self.settings = settings
         self.metrics = metrics
-        self.engine: AsyncEngine | None = None  # set once the model is loaded and warm
+        self.models: dict[str, ModelContext] = {}  # by name, the default first
         self.accepting = False  # False while loading and once draining
+        self.opened = False  # set once the server took work: not accepting since means draining
         self.started = time.monotonic()
         self.completions: deque[float] = deque(maxlen=4096)  # finish times, for the retry-after hint
-        self.active = 0  # generations in progress, over every front
+        self.active = 0  # generations in progress, over every front and model
         self.idle = asyncio.Event()
         self.idle.set()
-        self.texts: TokenTexts | None = None
-        self.model: ModelFacts | None = None
         self.cadence = StreamCadence(settings)
 
-    def attach(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.texts = TokenTexts(engine.tokenizer)
-        n_ctx = engine.context  # the served context, which may be shorter than the model's
-        longest = max(len(engine.tokenizer.decode([i])) for i in range(engine.model.vocab_size))
-        # no longer text can tokenize to the prompt's limit (an encoder-decoder's: its longest source)
-        prompt_tokens = engine.limits.max_prompt_tokens if engine.encoder_decoder else n_ctx
-        self.model = ModelFacts(engine.tokenizer, n_ctx, engine.limits,
-                                max_prompt_chars=prompt_tokens * max(longest, 1),
-                                sampling_defaults=sampling_defaults(engine.config.bundle))
-        if self.model.sampling_defaults:
-            log.info("sampling defaults from the model's generation config: %s", self.model.sampling_defaults)
-        self.accepting = True
+    def add(self, models: list[ModelContext]) -> None:
+        self.models.update((model.name, model) for model in models)
+
+    def open(self) -> None:
+        """The models are loaded (or failed): new generations are admitted."""
+        self.accepting = self.opened = True
+
+    @property
+    def default(self) -> ModelContext | None:
+        """The model a request that names none gets: the first bundle's."""
+        return next(iter(self.models.values()), None)
 
     @property
     def taking_work(self) -> bool:
-        """The model is warm and the server is not draining: new generations are admitted."""
-        return self.accepting and self.engine is not None
+        """The models are warm and the server is not draining: new generations are admitted."""
+        return self.accepting
 
-    def ready(self) -> AsyncEngine:
-        """The engine, for calls that need the model but start no generation (model info, tokenize)."""
-        if self.engine is None:
+    def engines(self) -> list[AsyncEngine]:
+        """The engines of the models that serve."""
+        return [m.engine for m in self.models.values() if m.engine is not None and m.state == "serving"]
+
+    def stats(self) -> list[EngineStats]:
+        return [engine.stats() for engine in self.engines()]
+
+    def resolve(self, name: str | None) -> ModelContext:
+        """The model `name` names: None or "" the default; UnknownModel (naming those served) for any other."""
+        model = self.models.get(name) if name else self.default
+        if model is None:
+            if not self.models:
+                raise NotReady("the server is still starting; retry shortly")
+            raise UnknownModel(name or "", list(self.models))
+        return model
+
+    def ready(self) -> None:
+        """NotReady until the models are loaded, for calls that start no generation (a draining server still
+        answers them)."""
+        if not self.opened:
             raise NotReady("the model is still loading; retry shortly")
-        return self.engine
 
-    def served_name(self) -> str:
-        """The name clients know the model by (/v1/models, each response's `model`, GetModelInfo):
-        `served_model_name`, else the bundle's own. NotReady while loading."""
-        engine = self.ready()
-        return self.settings.served_model_name or engine.model.name
-
-    def admit(self) -> AsyncEngine:
-        """The engine, for a new generation; refused while loading and once draining."""
+    def admit_calls(self) -> None:
+        """Refuse new work while loading and once draining (before a request is read)."""
         if not self.accepting:
-            raise EngineStopped("the server is draining; retry on another replica") if self.engine \
+            raise EngineStopped("the server is draining; retry on another replica") if self.opened \
                 else NotReady("the model is still loading; retry shortly")
-        return self.engine
+
+    def admit(self, model: ModelContext) -> AsyncEngine:
+        """`model`'s engine, for a new generation; refused while loading and once draining, and for a model
+        that does not serve (`ModelContext.ready`)."""
+        self.admit_calls()
+        return model.ready()
 
     def in_flight_enter(self) -> None:
         self.active += 1
@@ -97,15 +107,16 @@ class ServingContext:
         if self.active == 0:
             self.idle.set()
 
-    async def next_message(self, stream: RequestStream) -> list[TokenEvent]:
+    async def next_message(self, stream: RequestStream, engine: AsyncEngine) -> list[TokenEvent]:
         """A stream's next events, gathered as the streaming settings say (`stream_cadence`)."""
-        return await self.cadence.next_message(stream, self.engine.running_sequences if self.engine else 0)
+        return await self.cadence.next_message(stream, engine.running_sequences)
 
-    def retry_after_ms(self) -> int:
-        """How long until a queue place is likely free: waiting requests over the recent completion rate."""
+    def retry_after_ms(self, model: ModelContext | None) -> int:
+        """How long until a queue place of `model` is likely free: its waiting requests over the recent
+        completion rate (of every model: a rough hint)."""
         now = time.monotonic()
         recent = sum(1 for t in self.completions if t > now - COMPLETION_WINDOW_S)
-        if not recent or self.engine is None:
+        if not recent or model is None or model.engine is None:
             return 1000
         rate = recent / COMPLETION_WINDOW_S
-        return int(min(30_000, max(100, 1000 * (self.engine.stats().waiting_requests + 1) / rate)))
+        return int(min(30_000, max(100, 1000 * (model.engine.stats().waiting_requests + 1) / rate)))

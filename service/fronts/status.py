@@ -2,6 +2,7 @@
 
     error              gRPC                  HTTP   OpenAI error type
     InvalidRequest     INVALID_ARGUMENT      400    invalid_request_error   names the field and its allowed range
+    UnknownModel       NOT_FOUND             404    invalid_request_error   names the models served (param: model)
     Overloaded         RESOURCE_EXHAUSTED    429    rate_limit_error        retry-after-ms trailer / Retry-After header
     Unavailable        UNAVAILABLE           503    service_unavailable     still loading, or draining
     DeadlineExceeded   DEADLINE_EXCEEDED     408    timeout_error           the slot is already free
@@ -25,12 +26,21 @@ from dataclasses import dataclass
 import grpc
 
 from service import logs
-from service.engine.errors import Cancelled, DeadlineExceeded, InvalidRequest, ModelError, Overloaded, Unavailable
+from service.engine.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelError,
+    Overloaded,
+    Unavailable,
+    UnknownModel,
+)
 
 RETRY_AFTER_KEY = "retry-after-ms"
 
 CODES: tuple[tuple[type[Exception], grpc.StatusCode, int, str], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (UnknownModel, grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     (Unavailable, grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 408, "timeout_error"),
@@ -75,7 +85,7 @@ def status_for(error: BaseException, retry_after_ms: int = 1000) -> RpcStatus:
 def http_status_for(error: BaseException, retry_after_ms: int = 1000) -> HttpStatus:
     for kind, _, status, type_ in CODES:
         if isinstance(error, kind) and kind is not ModelError:
-            param = error.field if isinstance(error, InvalidRequest) else None
+            param = error.field if isinstance(error, InvalidRequest) else "model" if kind is UnknownModel else None
             retry_after_s = max(1, math.ceil(retry_after_ms / 1000)) if kind is Overloaded else \
                 1 if kind is Unavailable else None
             headers = (("Retry-After", str(retry_after_s)),) if retry_after_s else ()

@@ -100,7 +100,7 @@ class Load:
 
 def amid_load(srv: ServerThread, load_prompts: list[list[int]], send) -> list:
     """`send()` while the load streams run; repeated (up to 3 rounds) until the load outlasted it."""
-    context = read_manifest(srv.settings.bundle).model.n_ctx
+    context = read_manifest(srv.settings.bundle[0]).model.n_ctx
     for _ in range(3):
         load = Load(srv.address, load_prompts, context)
         try:

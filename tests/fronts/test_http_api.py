@@ -43,7 +43,7 @@ def api(server):
 
 @pytest.fixture(scope="module")
 def model_name(server) -> str:
-    return read_manifest(server.settings.bundle).model.name
+    return read_manifest(server.settings.bundle[0]).model.name
 
 
 def grpc_text(client: Client, prompt, **fields) -> list[str]:
@@ -56,7 +56,7 @@ def test_models_lists_the_bundle_name(api, model_name, server):
     models = api.models.list()
     assert [m.id for m in models.data] == [model_name]
     assert api.models.retrieve(model_name).id == model_name
-    assert models.data[0].max_model_len == read_manifest(server.settings.bundle).model.n_ctx
+    assert models.data[0].max_model_len == read_manifest(server.settings.bundle[0]).model.n_ctx
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=7),
@@ -463,7 +463,8 @@ def test_503_while_loading_then_200_then_503_while_draining(engine_bundle):
         wait_until(lambda: srv.server.http_port, 10, "the HTTP port")
         health = raw(srv, "GET", "/health")
         r = raw(srv, "POST", "/v1/completions", {"prompt": PROMPT})
-        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert list(health.json()["models"].values()) == ["loading"]
         assert r.status_code == 503 and error_of(r)["type"] == "service_unavailable"
         warming.set()
         starting.result(60)

@@ -61,7 +61,7 @@ def test_grpc_bans_a_token_over_a_thousand_sampled_tokens_and_forces_another(srv
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_http_bans_and_forces_tokens_with_string_keys(srv, endpoint):
-    texts = srv.server.serving.texts
+    texts = srv.server.serving.default.texts
     free = http_tokens(srv, endpoint)
     name, seen = Counter(t for c in free for t in c).most_common(1)[0]
     assert seen >= 5

@@ -33,7 +33,7 @@ def test_echo_with_logprobs_returns_the_prompts_tokens_then_the_generated_ones(a
     assert out.choices[0].text.startswith(PROMPT) and len(lp.tokens) == n + 3
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(PROMPT)
-    want = graph_logprobs(server.settings.bundle, prompt_ids)
+    want = graph_logprobs(server.settings.bundle[0], prompt_ids)
     for i in range(1, n):
         assert lp.token_logprobs[i] == pytest.approx(want[i - 1, prompt_ids[i]], abs=1e-5)
         assert lp.tokens[i] in lp.top_logprobs[i] and 2 <= len(lp.top_logprobs[i]) <= 3

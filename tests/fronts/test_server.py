@@ -216,8 +216,9 @@ def test_metrics_endpoint(server, client):
         assert f"\n{name}" in body, name
     assert 'attnserve_requests_total{code="OK",method="Generate",protocol="grpc"}' in body
     assert 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Generate",protocol="grpc"}' in body
+    served = client.model_info().name  # per-request series carry the request's model
     generated = next(float(line.split()[-1]) for line in body.splitlines()
-                     if line.startswith("attnserve_generated_tokens_total "))
+                     if line.startswith(f'attnserve_generated_tokens_total{{model="{served}"}} '))
     assert generated >= 5
 
 

@@ -133,15 +133,15 @@ def test_log_lines_carry_the_request_id(fmt):
 
 def test_model_is_another_name_for_bundle():
     """vLLM's flag name: a `vllm serve --model ...` command line carries over."""
-    assert parse("--model", "my-bundle").bundle == Path("my-bundle")
+    assert parse("--model", "my-bundle").bundle == [Path("my-bundle")]
     assert "--bundle BUNDLE, --model BUNDLE" in settings_parser("serve", "").format_help()
 
 
 def test_served_model_name_from_a_flag_or_the_environment(monkeypatch):
-    assert parse().served_model_name is None
-    assert parse("--served-model-name", "poet-7b").served_model_name == "poet-7b"
+    assert parse().served_model_name == []
+    assert parse("--served-model-name", "poet-7b").served_model_name == ["poet-7b"]
     monkeypatch.setenv("ATTNSERVE_SERVED_MODEL_NAME", "from-env")
-    assert parse().served_model_name == "from-env"
+    assert parse().served_model_name == ["from-env"]
     with pytest.raises(SettingsError, match=r"served_model_name \(--served-model-name / ATTNSERVE_SERVED_MODEL_NAME\)"):
         parse("--served-model-name", "")
 
@@ -168,7 +168,7 @@ def test_the_example_config_file_is_what_serve_reads():
     """deploy/attnserve.example.toml, as `attnserve serve --config` reads it: it serves the shipped model, and
     every setting it sets holds the value it writes."""
     s = parse("--config", str(EXAMPLE_CONFIG))
-    assert s.bundle == DEFAULT_BUNDLE  # the shipped model (in the serving lane, where the installed copy expects it)
+    assert s.bundle == [DEFAULT_BUNDLE]  # the shipped model (in the serving lane, where the installed copy expects it)
     written = tomllib.loads(EXAMPLE_CONFIG.read_text())
     assert written and {name: getattr(s, name) for name in written} == written
 
@@ -188,4 +188,4 @@ def test_the_example_configs_commented_out_settings_are_settings(tmp_path):
     uncommented = tmp_path / "uncommented.toml"
     uncommented.write_text("\n".join(lines))
     s = parse("--config", str(uncommented))
-    assert s.served_model_name == "shakespeare" and s.speculative == "ngram"
+    assert s.served_model_name == ["shakespeare"] and s.speculative == "ngram"

@@ -38,7 +38,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         async with self._generation(request, context, "Generate", whole=True) as (accepted, generation):
-            collector = Collector(accepted, self.serving.texts)
+            collector = Collector(accepted, generation.model.texts)
             async for _, events in generation.events():
                 collector.add(events)
             return collector.response(generation.streams[0].timing)
@@ -47,27 +47,31 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._generation(request, context, "GenerateStream") as (accepted, generation):
             sent, stream = StreamProgress(), generation.streams[0]
             async for _, events in generation.events():
-                for msg in stream_messages(accepted, events, self.serving.texts, sent, stream.timing,
+                for msg in stream_messages(accepted, events, generation.model.texts, sent, stream.timing,
                                            last=stream.finished):
                     await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async with self._rpc(context, "Tokenize"):
             self.serving.ready()
-            facts = self.serving.model
+            model = self.serving.resolve(request.model)
+            model.ready()
+            facts = model.facts
             check_text_fits("text", request.text, facts)
 
             def tokenize() -> pb.TokenizeResponse:
                 ids = facts.tokenizer.encode(request.text)
-                return pb.TokenizeResponse(token_ids=ids, tokens=[self.serving.texts(i) for i in ids])
+                return pb.TokenizeResponse(token_ids=ids, tokens=[model.texts(i) for i in ids])
 
             return await asyncio.to_thread(tokenize) if len(request.text) > OFF_LOOP_CHARS else tokenize()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         async with self._rpc(context, "GetModelInfo"):
-            engine = self.serving.ready()
+            self.serving.ready()
+            model = self.serving.resolve(request.model)
+            engine = model.ready()
             m, runner = engine.model, engine.runner
-            return pb.ModelInfo(name=self.serving.served_name(), vocab_size=m.vocab_size, context_tokens=engine.context,
+            return pb.ModelInfo(name=model.name, vocab_size=m.vocab_size, context_tokens=engine.context,
                                 eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
                                 provider=runner.session.get_providers()[0], graph=runner.graph_name,
                                 architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,
@@ -79,12 +83,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):
             info = pb.ServerInfo(uptime_seconds=time.monotonic() - self.serving.started, version=__version__)
-            if self.serving.engine is not None:
-                s = self.serving.engine.stats()
-                info.MergeFrom(pb.ServerInfo(
-                    requests_running=s.running_requests, requests_waiting=s.waiting_requests, kv_slots=s.kv_slots,
-                    kv_free_slots=s.kv_free_slots, kv_free_tokens=s.kv_free_tokens, kv_tokens=s.kv_tokens,
-                    tokens_per_second=s.tokens_per_s))
+            stats = self.serving.stats()  # summed over the models that serve
+            info.MergeFrom(pb.ServerInfo(
+                requests_running=sum(s.running_requests for s in stats),
+                requests_waiting=sum(s.waiting_requests for s in stats), kv_slots=sum(s.kv_slots for s in stats),
+                kv_free_slots=sum(s.kv_free_slots for s in stats), kv_free_tokens=sum(s.kv_free_tokens for s in stats),
+                kv_tokens=sum(s.kv_tokens for s in stats), tokens_per_second=sum(s.tokens_per_s for s in stats)))
             return info
 
     # ---- plumbing ------------------------------------------------------------------------------
@@ -120,7 +124,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except Exception as e:
             # a rule names a field as the engine does; the client is told the proto's name
             error = GRPC_NAMES.renamed(e) if isinstance(e, InvalidRequest) else e
-            status = status_for(error, self.serving.retry_after_ms() if isinstance(e, Overloaded) else 0)
+            status = status_for(error, self.serving.retry_after_ms(call.model) if isinstance(e, Overloaded) else 0)
             code = status.code
             if status.is_bug:
                 log.error("%s: %s", status.details, internal_detail(e), exc_info=e)
@@ -137,15 +141,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         reads the events only once the request has ended."""
         async with self._rpc(context, method) as call:
             logs.request_id.set(request.request_id or "-")
-            self.serving.admit()  # refused while loading or draining, before any parsing
+            self.serving.admit_calls()  # refused while loading or draining, before any parsing
+            model = self.serving.resolve(request.model)
+            model.ready()  # a model that does not serve is refused before parsing too
+            facts = model.facts
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
-            accepted = await asyncio.to_thread(parse_request, request, self.serving.model) if long else \
-                parse_request(request, self.serving.model)
+            accepted = await asyncio.to_thread(parse_request, request, facts) if long else \
+                parse_request(request, facts)
             logs.request_id.set(accepted.request_id)
             remaining = context.time_remaining()
             if remaining is not None:
                 accepted.request.deadline = time.monotonic() + remaining
-            generation = await Generation.start(self.serving, call, [accepted], whole)
+            generation = await Generation.start(self.serving, call, model, [accepted], whole)
             try:
                 yield accepted, generation
             finally:

@@ -32,21 +32,20 @@ class MessagesApi:
         self.front = front
 
     async def create(self, request: Request, call: Call) -> Response:
-        body, size = await read_body(request, MessagesRequest, self.front.serving)
+        body, size, model = await read_body(request, MessagesRequest, self.front.serving)
         try:
-            accepted, reader, names = await self.front.accept_chat(request, body.chat(), size)
-            builder = MessageBuilder(self.front.serving.served_name(), accepted, reader,
-                                     self.front.serving.model.tokenizer, body.stop_sequences or [])
-            return await self.front.generate(request, call, [accepted], builder, bool(body.stream), names)
+            accepted, reader, names = await self.front.accept_chat(request, model, body.chat(), size)
+            builder = MessageBuilder(model.name, accepted, reader, model.facts.tokenizer, body.stop_sequences or [])
+            return await self.front.generate(request, call, model, [accepted], builder, bool(body.stream), names)
         except InvalidRequest as e:
             raise MESSAGES_NAMES.renamed(e) from None
 
     async def count_tokens(self, request: Request, call: Call) -> Response:
         """The prompt's length in tokens, rendered as /v1/messages renders it: a conversation /v1/messages
         would refuse (one that leaves no room in the context, say) is refused here too."""
-        body, size = await read_body(request, CountTokensRequest, self.front.serving)
+        body, size, model = await read_body(request, CountTokensRequest, self.front.serving)
         try:
-            accepted, _, _ = await self.front.accept_chat(request, body.chat(), size)
+            accepted, _, _ = await self.front.accept_chat(request, model, body.chat(), size)
         except InvalidRequest as e:
             raise MESSAGES_NAMES.renamed(e) from None
         call.finished("200", True)

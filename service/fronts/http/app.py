@@ -3,12 +3,13 @@
     POST /v1/completions        prompt: a string, a list of strings, a list of token ids (or of lists)
     POST /v1/chat/completions   messages rendered with the model's chat template
     POST /v1/responses          OpenAI's Responses API, stateless, served as a chat request (`responses_api`)
-    GET  /v1/models             the served model, under its served name (the bundle's unless served_model_name)
+    GET  /v1/models             the served models, under their served names (the bundles' unless served_model_name)
     POST /v1/messages           Anthropic's Messages API (and /v1/messages/count_tokens): `anthropic_messages`
     POST /tokenize, /detokenize vLLM's: a text or a chat to token ids, and back (`tokenize`)
-    GET  /health                200 while serving, 503 while loading or draining (no token needed)
+    GET  /health                200 while serving, 503 while loading or draining (no token needed); each model's state
 
-The routes and their answers. A request's body is read and bounded by `request_body`, checked by the
+The routes and their answers. A request's `model` picks the model that runs it (none: the default, the first
+bundle's; one not served: 404). A request's body is read and bounded by `request_body`, checked by the
 rules every front shares (`service.fronts.validation`), and every error has OpenAI's shape (`errors`), or
 Anthropic's on its routes (`anthropic_errors`); the bearer token is checked before any of it
 (`bearer_guard`). Nothing a client sends gives a 500.
@@ -46,10 +47,11 @@ from service.fronts.http.errors import HttpError, error_response
 from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
-from service.fronts.http.request_body import check_model, header_timeout, read_body
+from service.fronts.http.request_body import header_timeout, read_body
 from service.fronts.http.response_streams import BodyBuilder, SSEResponse, json_pieces
 from service.fronts.http.structured import after_reasoning, constraint_of
 from service.fronts.http.tokenize import Tokenization
+from service.fronts.model_context import ModelContext
 from service.fronts.reasoning import output_start
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import HttpStatus, http_status_for, internal_detail
@@ -67,7 +69,6 @@ T = TypeVar("T")
 class HttpFront:
     def __init__(self, serving: ServingContext, token: str | None = None):
         self.serving = serving
-        self._template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none)
         tokenization = Tokenization(serving, self._chat_template)
         routes = [
             self._route("POST", "/v1/completions", self.completions),
@@ -107,19 +108,22 @@ class HttpFront:
 
     async def health(self, request: Request) -> Response:
         s = self.serving
-        status = "serving" if s.taking_work else "loading" if s.engine is None else "draining"
-        return JSONResponse({"status": status}, status_code=200 if s.taking_work else 503)
+        status = "serving" if s.taking_work else "draining" if s.opened else "loading"
+        models = {model.name: model.state for model in s.models.values()}
+        return JSONResponse({"status": status, "models": models}, status_code=200 if s.taking_work else 503)
 
     async def models(self, request: Request, call: Call) -> Response:
-        return self._ok(call, JSONResponse({"object": "list", "data": [self._model_card()]}))
+        self.serving.ready()
+        cards = [self._model_card(model) for model in self.serving.models.values()]
+        return self._ok(call, JSONResponse({"object": "list", "data": cards}))
 
     async def model(self, request: Request, call: Call) -> Response:
-        check_model(request.path_params["model"], self.serving)
-        return self._ok(call, JSONResponse(self._model_card()))
+        self.serving.ready()
+        return self._ok(call, JSONResponse(self._model_card(self.serving.resolve(request.path_params["model"]))))
 
     async def completions(self, request: Request, call: Call) -> Response:
-        body, size = await read_body(request, CompletionRequest, self.serving)
-        facts = self.serving.model
+        body, size, model = await read_body(request, CompletionRequest, self.serving)
+        facts = model.facts
         constraint, constraint_field = constraint_of(body)
         names = completion_names(constraint_field)
         prompts = body.prompts()
@@ -135,30 +139,29 @@ class HttpFront:
                           "top_logprobs": body.logprobs or 0, "logprobs": body.logprobs is not None,
                           "echo": bool(body.echo), "constraint": constraint,
                           "prompt_logprobs": body.logprobs if body.echo else None}
-                accepted_requests.append(self._accept(fields, body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                                      names, request))
+                accepted_requests.append(self._accept(model, fields, body, body.max_tokens,
+                                                      COMPLETIONS_DEFAULT_MAX_TOKENS, names, request))
             return accepted_requests
 
         heavy = size > json_body.OFF_LOOP_BYTES or len(prompts) > OFF_LOOP_PROMPTS
         accepted_requests = await _off_loop(heavy, accept_all)
         logs.request_id.set(accepted_requests[0].request_id)
-        builder = CompletionBuilder(self._served_name(), accepted_requests, self.serving.texts,
-                                    self._include_usage(body))
-        return await self.generate(request, call, accepted_requests, builder, bool(body.stream), names)
+        builder = CompletionBuilder(model.name, accepted_requests, model.texts, self._include_usage(body))
+        return await self.generate(request, call, model, accepted_requests, builder, bool(body.stream), names)
 
     async def chat_completions(self, request: Request, call: Call) -> Response:
-        body, size = await read_body(request, ChatCompletionRequest, self.serving)
-        accepted, reader, names = await self.accept_chat(request, body, size)
-        builder = ChatBuilder(self._served_name(), [accepted], self.serving.texts, self._include_usage(body), reader)
-        return await self.generate(request, call, [accepted], builder, bool(body.stream), names)
+        body, size, model = await read_body(request, ChatCompletionRequest, self.serving)
+        accepted, reader, names = await self.accept_chat(request, model, body, size)
+        builder = ChatBuilder(model.name, [accepted], model.texts, self._include_usage(body), reader)
+        return await self.generate(request, call, model, [accepted], builder, bool(body.stream), names)
 
-    async def accept_chat(self, request: Request, body: ChatCompletionRequest, size: int
+    async def accept_chat(self, request: Request, model: ModelContext, body: ChatCompletionRequest, size: int
                           ) -> tuple[AcceptedRequest, OutputReader | None, FieldNames]:
         """A chat request made ready for the engine: its messages rendered by the model's chat template, its
         fields checked; with how its output is read (reasoning, calls) and how its errors name its fields.
         The other chat APIs (Anthropic's Messages, OpenAI's Responses) come here as a `ChatCompletionRequest`."""
-        template = self._chat_template()
-        facts = self.serving.model
+        template = self._chat_template(model)
+        facts = model.facts
         conversation, tools = body.conversation(), body.tool_use(template.source)
         constraint, constraint_field = constraint_of(body, tools)
         names = chat_names(body, constraint_field or "max_reasoning_chars")  # which alone may set a grammar
@@ -172,18 +175,19 @@ class HttpFront:
         fields = {"prompt_token_ids": ids, "n": 1 if body.n is None else body.n,
                   "top_logprobs": body.top_logprobs or 0, "logprobs": bool(body.logprobs), "constraint": constraint}
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        accepted = self._accept(fields, body, max_tokens, None, names, request)
+        accepted = self._accept(model, fields, body, max_tokens, None, names, request)
         logs.request_id.set(accepted.request_id)
         return accepted, output_reader(start, tools), names
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
-                       builder: BodyBuilder, stream: bool, names: FieldNames) -> Response:
-        """Run the accepted requests; the answer is `builder`'s body, whole or as its stream of events."""
+    async def generate(self, request: Request, call: Call, model: ModelContext,
+                       accepted_requests: list[AcceptedRequest], builder: BodyBuilder, stream: bool,
+                       names: FieldNames) -> Response:
+        """Run the accepted requests on `model`; the answer is `builder`'s body, whole or as its stream of events."""
         try:
             # the engine checks them; a response sent whole needs their events only at the end
-            generation = await Generation.start(self.serving, call, accepted_requests, whole=not stream)
+            generation = await Generation.start(self.serving, call, model, accepted_requests, whole=not stream)
         except InvalidRequest as e:
             raise names.renamed(e) from None
         builder.timings_of = generation.timings
@@ -237,13 +241,13 @@ class HttpFront:
 
     # ---- plumbing -------------------------------------------------------------------------------
 
-    def _accept(self, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
+    def _accept(self, model: ModelContext, fields: dict[str, Any], body: SamplingFields, max_tokens: int | None,
                 default_max_new: int | None, names: FieldNames, request: Request) -> AcceptedRequest:
         """The engine request of `fields` and the body's sampling, stopping and beam search; errors named as the
         body names the fields (`names`), and the body's or the header's timeout as its deadline."""
         fields = {**fields, "request_id": request.headers.get("x-request-id", ""), "priority": body.priority or 0}
         try:
-            accepted = accept(fields, body.sampling(), body.stopping(max_tokens), body.beam(), self.serving.model,
+            accepted = accept(fields, body.sampling(), body.stopping(max_tokens), body.beam(), model.facts,
                               default_max_new)
         except InvalidRequest as e:
             raise names.renamed(e) from None
@@ -254,27 +258,26 @@ class HttpFront:
             accepted.request.deadline = time.monotonic() + timeout
         return accepted
 
-    def _served_name(self) -> str:
-        return self.serving.served_name()
+    def _model_card(self, model: ModelContext) -> dict[str, Any]:
+        """OpenAI's model object; `max_model_len` once the model serves."""
+        card = {"id": model.name, "object": "model", "created": int(time.time() - (time.monotonic() -
+                self.serving.started)), "owned_by": "attnserve"}
+        return card | ({"max_model_len": model.engine.context} if model.state == "serving" else {})
 
-    def _model_card(self) -> dict[str, Any]:
-        engine = self.serving.ready()
-        return {"id": self.serving.served_name(), "object": "model", "created": int(time.time() - (time.monotonic() -
-                self.serving.started)), "owned_by": "attnserve", "max_model_len": engine.context}
-
-    def _chat_template(self) -> ChatTemplate:
-        if self._template is None and self.serving.ready().encoder_decoder:
-            self._template = (None, "it is an encoder-decoder, which turns a source sequence into a target, "
-                                    "not a conversation into a reply")
-        if self._template is None:
-            bundle = self.serving.ready().config.bundle
+    def _chat_template(self, model: ModelContext) -> ChatTemplate:
+        """`model`'s chat template (read once); InvalidRequest naming `messages` when it cannot chat."""
+        engine = model.ready()
+        if model.chat_template is None and engine.encoder_decoder:
+            model.chat_template = (None, "it is an encoder-decoder, which turns a source sequence into a target, "
+                                         "not a conversation into a reply")
+        if model.chat_template is None:
             try:
-                self._template = (ChatTemplate.from_bundle(bundle), "it has no chat template")
+                model.chat_template = (ChatTemplate.from_bundle(engine.config.bundle), "it has no chat template")
             except (ChatTemplateError, OSError, ValueError) as e:
-                self._template = (None, f"its chat template cannot be used: {e}")
-        template, why = self._template
+                model.chat_template = (None, f"its chat template cannot be used: {e}")
+        template, why = model.chat_template
         if template is None:
-            raise InvalidRequest("messages", f"model {self._served_name()!r} cannot chat: {why} (use "
+            raise InvalidRequest("messages", f"model {model.name!r} cannot chat: {why} (use "
                                  "/v1/completions with a prompt)")
         return template
 
@@ -291,7 +294,7 @@ class HttpFront:
         if isinstance(error, HttpError):
             status = error.status
         else:
-            retry_ms = self.serving.retry_after_ms() if isinstance(error, Overloaded) else 0
+            retry_ms = self.serving.retry_after_ms(call.model) if isinstance(error, Overloaded) else 0
             status = http_status_for(error, retry_ms)
         if status.is_bug:
             log.error("%s: %s", status.message, internal_detail(error), exc_info=error)

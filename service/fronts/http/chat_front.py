@@ -13,6 +13,7 @@ from service.fronts.chat_output import OutputReader
 from service.fronts.field_names import FieldNames
 from service.fronts.http.openai_schema import ChatCompletionRequest
 from service.fronts.http.response_streams import BodyBuilder
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 from service.fronts.validation import AcceptedRequest
 
@@ -20,8 +21,9 @@ from service.fronts.validation import AcceptedRequest
 class ChatFront(Protocol):
     serving: ServingContext
 
-    async def accept_chat(self, request: Request, body: ChatCompletionRequest, size: int
+    async def accept_chat(self, request: Request, model: ModelContext, body: ChatCompletionRequest, size: int
                           ) -> tuple[AcceptedRequest, OutputReader | None, FieldNames]: ...
 
-    async def generate(self, request: Request, call: Call, accepted_requests: list[AcceptedRequest],
-                       builder: BodyBuilder, stream: bool, names: FieldNames) -> Response: ...
+    async def generate(self, request: Request, call: Call, model: ModelContext,
+                       accepted_requests: list[AcceptedRequest], builder: BodyBuilder, stream: bool,
+                       names: FieldNames) -> Response: ...

@@ -76,10 +76,3 @@ class BodyTimeout(HttpError):
         super().__init__()
         self.status = HttpStatus(408, "invalid_request_error", f"the body did not arrive within {limit_s:g} s of its "
                                  f"headers ({size} bytes did; body_timeout_s)", "body", (("Connection", "close"),))
-
-
-class UnknownModel(HttpError):
-    def __init__(self, name: str, served: str):
-        super().__init__()
-        self.status = HttpStatus(404, "invalid_request_error", f"the model {name!r} does not exist; this server "
-                                 f"serves {served!r}", "model")

@@ -1,8 +1,8 @@
 """Reading an HTTP request: its body within its size and time limits, parsed and bounded
-(`json_body`), the list limits that depend on the engine, then validated as the endpoint's schema;
-and the deadline a request carries in its `X-Request-Timeout` header.
+(`json_body`), the model its `model` names resolved, the list limits that depend on that model's engine,
+then validated as the endpoint's schema; and the deadline a request carries in its `X-Request-Timeout` header.
 
-    body, size = await read_body(request, CompletionRequest, serving)
+    body, size, model = await read_body(request, CompletionRequest, serving)
 """
 
 from __future__ import annotations
@@ -16,22 +16,27 @@ from starlette.requests import ClientDisconnect, Request
 from service.engine.errors import InvalidRequest
 from service.fronts.generation import ClientGone
 from service.fronts.http import json_body
-from service.fronts.http.errors import BodyTimeout, TooLarge, UnknownModel, schema_error
+from service.fronts.http.errors import BodyTimeout, TooLarge, schema_error
 from service.fronts.http.openai_schema import CompletionRequest
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 
 TIMEOUT_HEADER = "x-request-timeout"
 
 
-async def read_body(request: Request, schema: type[BaseModel], serving: ServingContext):
-    """The body as `schema`, and its size: 413 past the size limit, 408 past the body deadline, 400 for
-    JSON or a field of the wrong type, or a list longer than its limit (`json_body`, `check_counts`).
-    Checks first that the server is serving (503) and the model is this one (404)."""
-    serving.admit()
-    hint = (f" (and at most {serving.ready().most_admitted_at_once()} prompts)" if schema is CompletionRequest
-            else "")
+async def read_body(request: Request, schema: type[BaseModel], serving: ServingContext
+                    ) -> tuple[Any, int, ModelContext]:
+    """The body as `schema`, its size and the model it names: 413 past the size limit, 408 past the body
+    deadline, 400 for JSON or a field of the wrong type, or a list longer than its limit (`json_body`,
+    `check_counts`). Checks first that the server is serving (503), then that the model is served (404) and
+    serves (503)."""
+    serving.admit_calls()
+    default = serving.default
+    hint = (f" (and at most {default.engine.most_admitted_at_once()} prompts for {default.name!r})"
+            if schema is CompletionRequest and default is not None and default.engine is not None else "")
     data, size = await read_json(request, serving, hint)
-    return checked(schema, data, serving), size
+    body, model = checked(schema, data, serving)
+    return body, size, model
 
 
 async def read_json(request: Request, serving: ServingContext, hint: str = "") -> tuple[Any, int]:
@@ -56,14 +61,17 @@ async def read_json(request: Request, serving: ServingContext, hint: str = "") -
     return await json_body.parse(b"".join(chunks), hint), size
 
 
-def checked(schema: type[BaseModel], data: Any, serving: ServingContext) -> Any:
-    """`data` (a parsed body) as `schema`, its lists within their limits, its model this one (404) and nothing
-    in it that the server cannot honour (the schema's `refuse_unsupported`)."""
-    check_counts(data, serving)
+def checked(schema: type[BaseModel], data: Any, serving: ServingContext) -> tuple[Any, ModelContext]:
+    """`data` (a parsed body) as `schema`, and the model its `model` names (the default when it names none;
+    404 naming those served when it names another; 503 when it does not serve); its lists within their limits
+    and nothing in it that the server cannot honour (the schema's `refuse_unsupported`)."""
+    name = data.get("model") if isinstance(data, dict) else None
+    model = serving.resolve(name if isinstance(name, str) else None)  # not a string: the schema says so
+    model.ready()
+    check_counts(data, model)
     body = validated(schema, data)
-    check_model(body.model, serving)
     body.refuse_unsupported()
-    return body
+    return body, model
 
 
 def validated(schema: type[BaseModel], data: Any) -> Any:
@@ -75,7 +83,7 @@ def validated(schema: type[BaseModel], data: Any) -> Any:
         raise schema_error(e, schema, data) from None
 
 
-def check_counts(data: Any, serving: ServingContext) -> None:
+def check_counts(data: Any, model: ModelContext) -> None:
     """The limits on lists whose length depends on the engine, before any item is looked at: prompts
     (what could ever be admitted at once) and chat messages (each takes at least a token)."""
     if not isinstance(data, dict):
@@ -83,21 +91,15 @@ def check_counts(data: Any, serving: ServingContext) -> None:
     prompt, messages = data.get("prompt"), data.get("messages")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         n = data["n"] if isinstance(data.get("n"), int) and data["n"] > 0 else 1
-        engine = serving.ready()
+        engine = model.ready()
         most = engine.most_admitted_at_once(n)
         if len(prompt) > most:
             raise InvalidRequest("prompt", f"holds {len(prompt)} prompts; at most {most} can be admitted at once "
                                  f"(max_running {engine.max_running} sequences, max_waiting "
                                  f"{engine.config.max_waiting} requests, n {n})")
-    if isinstance(messages, list) and serving.model is not None and len(messages) > serving.model.n_ctx:
-        raise InvalidRequest("messages", f"holds {len(messages)} messages; at most {serving.model.n_ctx} fit "
-                             f"the model context of {serving.model.n_ctx} tokens")
-
-
-def check_model(name: str | None, serving: ServingContext) -> None:
-    served = serving.served_name()
-    if name and name != served:
-        raise UnknownModel(name, served)
+    if isinstance(messages, list) and model.facts is not None and len(messages) > model.facts.n_ctx:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; at most {model.facts.n_ctx} fit "
+                             f"the model context of {model.facts.n_ctx} tokens")
 
 
 def header_timeout(request: Request) -> float | None:

@@ -25,11 +25,11 @@ from service.fronts.status import HttpStatus
 
 
 async def create(front: ChatFront, request: Request, call: Call) -> Response:
-    body, size = await read_body(request, ResponsesRequest, front.serving)
+    body, size, model = await read_body(request, ResponsesRequest, front.serving)
     try:
-        accepted, reader, names = await front.accept_chat(request, body.chat_request(), size)
-        builder = ResponsesBody(front.serving.served_name(), accepted, reader, body.echo())
-        return await front.generate(request, call, [accepted], builder, bool(body.stream), names)
+        accepted, reader, names = await front.accept_chat(request, model, body.chat_request(), size)
+        builder = ResponsesBody(model.name, accepted, reader, body.echo())
+        return await front.generate(request, call, model, [accepted], builder, bool(body.stream), names)
     except InvalidRequest as e:
         raise responses_error(e) from None
 

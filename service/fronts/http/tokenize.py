@@ -28,6 +28,7 @@ from service.fronts.http import json_body
 from service.fronts.http.chat_prompt import render_prompt
 from service.fronts.http.openai_schema import ChatPrompt
 from service.fronts.http.request_body import checked, read_json
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 from service.fronts.validation import check_text_fits
 from service.runtime.chat_template import ChatTemplate
@@ -85,19 +86,21 @@ def tokenize_schema(data: Any) -> type[TokenizePrompt] | type[TokenizeChat]:
 
 
 class Tokenization:
-    """The two endpoints, on the front's serving context and its chat template (`chat_template()`, which raises
-    InvalidRequest naming `messages` for a model that cannot chat)."""
+    """The two endpoints, on the front's serving context and the model's chat template (`chat_template(model)`,
+    which raises InvalidRequest naming `messages` for a model that cannot chat). The body's `model` picks the
+    model, as on the generation endpoints."""
 
-    def __init__(self, serving: ServingContext, chat_template: Callable[[], ChatTemplate]):
+    def __init__(self, serving: ServingContext, chat_template: Callable[[ModelContext], ChatTemplate]):
         self.serving = serving
         self.chat_template = chat_template
 
     async def tokenize(self, request: Request, call: Call) -> Response:
         self.serving.ready()  # a draining server still tokenizes, as gRPC's Tokenize does
         data, size = await read_json(request, self.serving)
-        body = checked(tokenize_schema(data), data, self.serving)
-        facts = self.serving.model
-        template = self.chat_template() if isinstance(body, TokenizeChat) else None
+        body, model = checked(tokenize_schema(data), data, self.serving)
+        engine = model.ready()
+        facts = model.facts
+        template = self.chat_template(model) if isinstance(body, TokenizeChat) else None
 
         def ids() -> list[int]:
             if template is None:
@@ -107,7 +110,7 @@ class Tokenization:
                                  body.add_special_tokens)[1]
 
         tokens = await asyncio.to_thread(ids) if size > json_body.OFF_LOOP_BYTES else ids()  # large: off the loop
-        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": self.serving.ready().context,
+        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.context,
                                   "tokens": tokens}
         if body.return_token_strs:
             answer["token_strs"] = [facts.tokenizer.hf.id_to_token(t) for t in tokens]
@@ -117,8 +120,8 @@ class Tokenization:
     async def detokenize(self, request: Request, call: Call) -> Response:
         self.serving.ready()
         data, size = await read_json(request, self.serving)
-        body = checked(Detokenize, data, self.serving)
-        tokenizer = self.serving.model.tokenizer
+        body, model = checked(Detokenize, data, self.serving)
+        tokenizer = model.facts.tokenizer
         for i, token in enumerate(body.tokens):
             if not 0 <= token < tokenizer.vocab_size:
                 raise InvalidRequest(f"tokens[{i}]", f"{token} is outside [0, {tokenizer.vocab_size - 1}] (the "
