@@ -33,6 +33,8 @@ BENCHES = {  # name: (its module in bench/commands/, what it measures)
                            "warming decode up buys"),
     "kv-precision": ("kv_precision", "the KV cache in float32, float16 or int8: the attention op at a real shape "
                                      "(accepted, exact, speed) and the shipped model's quality"),
+    "models": ("models", "several models in one server: a model's first request when it loads for it, a reload, the "
+                         "memory an unload gives back; two engines decoding at once"),
     "memory": ("memory", "the KV cache's memory at a real shape: lazy pages against allocate-once, servers with no "
                          "memory flags under long prompts, llama.cpp's server, a 131k-position model"),
 }

@@ -6,10 +6,11 @@ OpenAI-compatible HTTP API, Prometheus metrics), from start-up to a graceful dra
     attnserve serve --bundle a --bundle b              # two models, each with its own engine; a the default
 
 Both fronts run in this process's one event loop (`ServingContext`); each model has its own engine (queue,
-scheduler, KV cache), a request's model name picks it. Life cycle: bind the HTTP port (/health 503) -> load
-each bundle in turn (its graph chosen and self-checked, or as `cache_dir` remembers it; with several, one that
-fails is logged and its model marked failed, and the others serve) -> plan each KV cache (several share the
-memory budget: `cache_plan.shared_kv_bytes`) -> warm up each -> open the gRPC port, SERVING. On SIGTERM or
+scheduler, KV cache), a request's model name picks it, and the model pool loads and unloads them
+(`fronts/model_pool.py`). Life cycle: bind the HTTP port (/health 503) -> load the models `preload` names,
+in turn, while the memory budget holds them (each: its graph chosen and self-checked, or as `cache_dir`
+remembers it, its KV cache planned, warmed up; with several, one that fails is logged and its model marked
+failed, and the others serve; the rest load on their first request) -> open the gRPC port, SERVING. On SIGTERM or
 SIGINT: health NOT_SERVING, the gRPC port closes to new calls and new HTTP requests get 503, requests in
 flight on either front get `grace_period_s` to finish, then the process exits 0. A second SIGTERM or SIGINT
 during the drain ends the requests still in flight at once, with the error the end of the grace period would
@@ -25,9 +26,6 @@ import logging
 import os
 import signal
 import threading
-import uuid
-from collections.abc import Callable
-from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,10 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
-from service.engine.cache_plan import shared_kv_bytes
-from service.engine.core import Engine
 from service.engine.errors import EngineStopped
-from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.fronts.file_handles import fit_connections
 from service.fronts.grpc.decoding import MalformedMessages
 from service.fronts.grpc.options import server_options
@@ -48,17 +43,16 @@ from service.fronts.grpc.servicer import SERVICE_NAME, TextGenerationService
 from service.fronts.http.app import HttpFront
 from service.fronts.http.listener import HttpListener
 from service.fronts.metrics import Metrics
-from service.fronts.model_context import ModelContext, served_models
+from service.fronts.model_context import served_models
+from service.fronts.model_pool import ModelPool
 from service.fronts.ports import ensure_bindable, port_error
 from service.fronts.serving_context import ServingContext
-from service.runtime.graph_choice import open_serving_graph
-from service.runtime.static_runner import StaticRunner
+from service.model_loading import LOADING_THREAD, ModelLoader
 from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
 
 END_WAIT_S = 2.0  # after the grace period: how long the fronts get to tell clients their requests ended
-LOADING_THREAD = "attnserve-loading"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -74,7 +68,8 @@ class Server:
         self.serving = ServingContext(settings, self.metrics)
         self.service = TextGenerationService(self.serving)
         self.health = health.aio.HealthServicer()
-        self._engine = engine  # a prebuilt engine of the default model (tests); otherwise built in start()
+        self.loader = ModelLoader(settings, engine)  # `engine`: a prebuilt engine of the default model (tests)
+        self.pool: ModelPool | None = None  # built in start(), with the models
         self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
         self.loading: str | None = "starting up"  # what start-up is doing, for the log; None once serving
         self.port = 0  # the gRPC port, once bound (after the model is warm)
@@ -103,7 +98,8 @@ class Server:
         s = self.settings
         asyncio.get_running_loop().set_exception_handler(logs.ThrottledLoopErrors())
         models = served_models(s)
-        self.serving.add(models)
+        self.pool = ModelPool(s, models, self.loader, self._loading_status)
+        self.serving.add(models, self.pool)
         await self._set_health(NOT_SERVING)
         credentials = server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
         ensure_bindable("port", s.host, s.port)  # before the model loads: a port in use fails at once
@@ -117,7 +113,7 @@ class Server:
                  f"; HTTP (OpenAI API) on {scheme}://{s.host}:{self.http_port}/v1 answers 503 until "
                  f"{'it is' if len(models) == 1 else 'they are'} warm" if self.http_port else "",
                  f"; metrics on http://{s.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
-        await self._load_models(models)
+        await self.pool.start()
         self.metrics.watch(self.serving.stats)
         self.loading = None
         self.serving.open()
@@ -132,70 +128,17 @@ class Server:
             raise port_error("port", s.host, s.port, "grpc bound no address")
         await self.grpc.start()
         serving = ", ".join(f"{m.name} ({m.engine.runner.graph_name} graph)" for m in models if m.state == "serving")
+        later = ", ".join(m.name for m in models if m.state == "unloaded")
+        serving += f"; loaded on their first request: {later}" if later else ""
         log.info("serving %s: gRPC on %s:%d (%s%s)%s", serving, s.host, self.port,
                  "mutual TLS" if s.tls_client_ca_file else "TLS" if credentials else "plaintext",
                  ", bearer token required" if s.auth_token or s.auth_token_file else "",
                  f", HTTP :{self.http_port}" if self.http_port else "")
 
-    async def _load_models(self, models: list[ModelContext]) -> None:
-        """Each model's graph opened in turn; once all are, each one's engine planned (with several, from its
-        share of the memory budget), warmed up and started. With several models, one that fails is logged and
-        marked failed (its requests are told why) and the others serve; a single model's failure, or every
-        model's, fails the start-up."""
-        s = self.settings
-        runners: dict[str, StaticRunner] = {}
-        engines: dict[str, AsyncEngine] = {models[0].name: self._engine} if self._engine is not None else {}
-        for model in models:
-            if model.state == "failed" or model.name in engines:
-                continue
-            self.loading = f"loading {_naming(models, model, '{}', 'the model')} (its graph chosen and self-checked, " \
-                           "or as the cache says)"
-            with self._failing(models, model):
-                runners[model.name] = await in_loading_thread(lambda model=model: self._open(model.bundle))
-        kv_bytes = None
-        if len(models) > 1 and runners:
-            kv_bytes = shared_kv_bytes(s.engine_config(), [r.manifest.model for r in runners.values()])
-        for model in models:
-            if model.name in runners:
-                with self._failing(models, model):
-                    config = s.engine_config(model.bundle)
-                    if kv_bytes is not None:
-                        config = config.model_copy(update={"kv_cache_bytes": kv_bytes})
-                    engines[model.name] = AsyncEngine(config, engine=Engine(config, runners[model.name]))
-        for model in models:
-            if model.name not in engines:
-                continue
-            engine = model.engine = engines[model.name]  # the drain shuts it down, whatever becomes of the model
-            with self._failing(models, model):
-                if s.warmup:
-                    self.loading = f"warming up{_naming(models, model, ' {}')}"
-                    await in_loading_thread(engine.engine.warm_up)  # before the engine thread owns the engine
-                engine.start()
-                if s.warmup:
-                    self.loading = f"rehearsing a few requests{_naming(models, model, ' on {}')}"
-                    await rehearse(engine)
-                model.attach(engine)
-        if not any(m.state == "serving" for m in models):
-            raise RuntimeError("no model could be loaded: " + "; ".join(f"{m.name}: {m.failure}" for m in models))
-
-    @contextlib.contextmanager
-    def _failing(self, models: list[ModelContext], model: ModelContext):
-        """A failure of `model`'s loading: raised when it is the only model; otherwise logged, and the model
-        marked failed."""
-        try:
-            yield
-        except Exception as e:
-            if len(models) == 1:
-                raise
-            log.error("model %s (bundle %s) failed to load, the others serve on: %s", model.name, model.bundle, e)
-            model.fail(str(e) or type(e).__name__)
-
-    def _open(self, bundle) -> StaticRunner:
-        """`bundle`'s serving graph, opened through the cache of graph choices (`cache_dir`, `recheck`)."""
-        s, config = self.settings, self.settings.engine_config(bundle)
-        return open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
-                                  config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
-                                  recheck=s.recheck, kv_dtype=config.kv_dtype)
+    def _loading_status(self, what: str) -> None:
+        """What start-up is doing, for the log of a signal that stops it (loads once serving do not count)."""
+        if not self.serving.opened:
+            self.loading = what
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop taking work, let requests in flight finish for up to `grace_s`, then stop everything.
@@ -205,6 +148,8 @@ class Server:
         while the calls in flight go on. New HTTP requests get 503, which a proxy passes to the next replica."""
         grace_s = self.settings.grace_period_s if grace_s is None else grace_s
         self.serving.accepting = False
+        if self.pool is not None:
+            await self.pool.close()
         await self.health.enter_graceful_shutdown()
         closing = asyncio.create_task(self.grpc.stop(grace=grace_s + END_WAIT_S + 1.0)) if self.port \
             else None
@@ -251,64 +196,12 @@ class Server:
                 await asyncio.wait_for(self.serving.idle.wait(), timeout=END_WAIT_S)
 
     def _engines(self) -> list[AsyncEngine]:
-        """Every engine built, serving or not (a model that failed after its engine started has one)."""
-        built = [m.engine for m in self.serving.models.values() if m.engine is not None]
-        return built or ([self._engine] if self._engine is not None else [])
+        """Every engine loaded."""
+        return [m.engine for m in self.serving.models.values() if m.engine is not None]
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
-
-
-T = TypeVar("T")
-
-
-def _naming(models: list[ModelContext], model: ModelContext, form: str, alone: str = "") -> str:
-    """What start-up's log says of `model`: `form` with its name among several, `alone` when it is the only one."""
-    return form.format(model.name) if len(models) > 1 else alone
-
-
-async def in_loading_thread(fn: Callable[[], T]) -> T:
-    """`fn()` on a daemon thread of its own, awaited. Loading runs there rather than in the loop's executor,
-    which `asyncio.run` joins before returning: a signal during start-up must not wait for onnxruntime's
-    session creation or runs, which nothing can interrupt (`main` exits without joining the thread)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def settle(result: object, error: BaseException | None) -> None:
-        if done.done():  # the start-up was cancelled meanwhile
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as e:
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=LOADING_THREAD, daemon=True).start()
-    return await done
-
-
-async def rehearse(engine: AsyncEngine) -> None:
-    """A few requests through the whole path, prefill and decode at a few batch sizes, so the first
-    real requests do not pay for what runs once."""
-    width = min(engine.max_running, 8)
-    prompt = [1 % engine.model.vocab_size] * 4
-
-    async def one(i: int) -> None:
-        request = GenerationRequest(f"warmup-{uuid.uuid4().hex}", list(prompt), SamplingParams(seed=i),
-                                    StoppingCriteria(max_new_tokens=2, ignore_eos=True))  # a prefill, a decode
-        async for _ in engine.submit(request):
-            pass
-
-    await one(0)
-    await asyncio.gather(*(one(i) for i in range(width)))
 
 
 # ---- the command -------------------------------------------------------------------------------

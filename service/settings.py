@@ -64,6 +64,14 @@ class ServerSettings(BaseSettings, EngineConfig):
     """name clients know the model by: HTTP /v1/models and each request's and response's model, gRPC model fields;
     unset = the bundle's name (attnserve export --name, else the exported folder's). With several bundles, give it
     once per bundle, in their order, or not at all"""
+    preload: Literal["all", "default", "none"] = "all"
+    """models loaded at start-up, in order, while the memory budget holds them: all, the default (first) only, or
+    none; the others are loaded on their first request (which waits for it)"""
+    keep_alive_s: float = Field(0.0, ge=0)
+    """a model no request has used for this long is unloaded, and loaded again on its next request (0 = never)"""
+    max_loaded_models: int = Field(0, ge=0)
+    """most models loaded at once; loading another unloads the least recently used idle one (0 = as many as the
+    memory budget holds)"""
     host: str = "127.0.0.1"
     """address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all interfaces)"""
     port: int = Field(50051, ge=0, le=65535)

@@ -37,7 +37,10 @@ def test_the_public_names_are_as_documented():
 
     service = pb.DESCRIPTOR.services_by_name["TextGeneration"]
     assert [m.name for m in service.methods] == ["Generate", "GenerateStream", "Tokenize", "GetModelInfo",
-                                                 "GetServerInfo"]
+                                                 "GetServerInfo", "ListModels", "LoadModel", "UnloadModel"]
+    assert [f.name for f in pb.LoadModelRequest.DESCRIPTOR.fields] == ["model"]
+    assert [f.name for f in pb.UnloadModelRequest.DESCRIPTOR.fields] == ["model"]
+    assert pb.ModelInfo.DESCRIPTOR.fields_by_name["state"].number == 17
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.fields] == [
         "request_id", "prompt", "prompt_token_ids", "sampling", "stopping", "n", "top_logprobs", "echo", "logprobs",
         "truncate_prompt", "prompt_logprobs", "beam_width", "length_penalty", "beam_stopping", "priority", "model",

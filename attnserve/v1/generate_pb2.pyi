@@ -227,7 +227,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph", "architecture", "attention_heads", "kv_heads", "eos_token_ids", "layers", "kind", "source_tokens", "decoder_start_token_id", "encoder_layers")
+    __slots__ = ("name", "vocab_size", "context_tokens", "eos_token_id", "dtype", "provider", "graph", "architecture", "attention_heads", "kv_heads", "eos_token_ids", "layers", "kind", "source_tokens", "decoder_start_token_id", "encoder_layers", "state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class ModelInfo(_message.Message):
     SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODER_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_tokens: int
@@ -260,7 +261,30 @@ class ModelInfo(_message.Message):
     source_tokens: int
     decoder_start_token_id: int
     encoder_layers: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ..., architecture: _Optional[str] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., kind: _Optional[str] = ..., source_tokens: _Optional[int] = ..., decoder_start_token_id: _Optional[int] = ..., encoder_layers: _Optional[int] = ...) -> None: ...
+    state: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., provider: _Optional[str] = ..., graph: _Optional[str] = ..., architecture: _Optional[str] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., kind: _Optional[str] = ..., source_tokens: _Optional[int] = ..., decoder_start_token_id: _Optional[int] = ..., encoder_layers: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -60,6 +60,21 @@ class TextGenerationStub:
                 request_serializer=attnserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_generate__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/attnserve.v1.TextGeneration/ListModels',
+                request_serializer=attnserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/attnserve.v1.TextGeneration/LoadModel',
+                request_serializer=attnserve_dot_v1_dot_generate__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/attnserve.v1.TextGeneration/UnloadModel',
+                request_serializer=attnserve_dot_v1_dot_generate__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -104,6 +119,29 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """/ Every served model, the default first, loaded or not (state says which).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """/ Load a model now rather than on its first request (a failed one is tried again); returns once it
+        / serves. Needs the server's bearer token: a server started without one refuses it (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """/ Unload a model once the calls using it are over (calls that arrive meanwhile wait and load it again);
+        / returns once it is unloaded. Needs the server's bearer token, as LoadModel.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +169,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=attnserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_generate__pb2.ServerInfo.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=attnserve_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=attnserve_dot_v1_dot_generate__pb2.LoadModelRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=attnserve_dot_v1_dot_generate__pb2.UnloadModelRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +322,87 @@ class TextGeneration:
             '/attnserve.v1.TextGeneration/GetServerInfo',
             attnserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
             attnserve_dot_v1_dot_generate__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attnserve.v1.TextGeneration/ListModels',
+            attnserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            attnserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attnserve.v1.TextGeneration/LoadModel',
+            attnserve_dot_v1_dot_generate__pb2.LoadModelRequest.SerializeToString,
+            attnserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attnserve.v1.TextGeneration/UnloadModel',
+            attnserve_dot_v1_dot_generate__pb2.UnloadModelRequest.SerializeToString,
+            attnserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -172,6 +172,19 @@ class Client:
     def server_info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
 
+    def list_models(self) -> list[pb.ModelInfo]:
+        """Every served model, the default first, loaded or not (`state`)."""
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self.metadata).models)
+
+    def load_model(self, model: str = "") -> pb.ModelInfo:
+        """Load `model` now (needs the server's token); returns once it serves."""
+        return self.stub.LoadModel(pb.LoadModelRequest(model=model), timeout=self.timeout_s, metadata=self.metadata)
+
+    def unload_model(self, model: str = "") -> pb.ModelInfo:
+        """Unload `model` once the calls using it are over (needs the server's token)."""
+        return self.stub.UnloadModel(pb.UnloadModelRequest(model=model), timeout=self.timeout_s,
+                                     metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -221,8 +234,21 @@ class AsyncClient:
         return await self.stub.Tokenize(pb.TokenizeRequest(text=text, model=model), timeout=self.timeout_s,
                                         metadata=self.metadata)
 
-    async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+    async def model_info(self, model: str = "") -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=self.timeout_s,
+                                            metadata=self.metadata)
+
+    async def list_models(self) -> list[pb.ModelInfo]:
+        return list((await self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s,
+                                                metadata=self.metadata)).models)
+
+    async def load_model(self, model: str = "") -> pb.ModelInfo:
+        return await self.stub.LoadModel(pb.LoadModelRequest(model=model), timeout=self.timeout_s,
+                                         metadata=self.metadata)
+
+    async def unload_model(self, model: str = "") -> pb.ModelInfo:
+        return await self.stub.UnloadModel(pb.UnloadModelRequest(model=model), timeout=self.timeout_s,
+                                           metadata=self.metadata)
 
     async def server_info(self) -> pb.ServerInfo:
         return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout_s,

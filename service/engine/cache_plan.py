@@ -2,7 +2,8 @@
 blocks of KV cache the memory budget holds beside the loaded model (docs/engine.md#kv-cache-memory).
 
     plan = plan_caches(config, runner)   # CachePlan: context, shape, n_slots, block_tokens, n_blocks, prefixes
-    kv = shared_kv_bytes(config, [runner.manifest.model for runner in runners])  # several models: each one's KV
+    kv = kv_shares(config, [(spec, weight_bytes), ...], held)   # several models: each one's KV, before any loads
+    plan = plan_caches(config, runner, kv_bytes=kv[i])           # ... granted by the model pool
 
 The budget is `memory_budget` (a fraction of the memory limit: the container's cgroup limit, else physical
 memory; or a size). Out of it come what the process holds once the model is loaded (weights, onnxruntime's
@@ -10,7 +11,9 @@ sessions and arenas, Python), measured, and the activations of the largest step,
 (`activation_bytes`); the rest is the KV cache, shared by the sequences and the prefix cache, unless
 `kv_cache_bytes` names a smaller one. A plan that cannot hold one sequence at the served context is refused
 with the settings that fix it. Several models in one process share the budget: once all are loaded, each
-engine's KV cache is an equal part of what their weights and largest steps leave (`shared_kv_bytes`).
+engine's KV cache is planned before any of them loads (`kv_shares`): an equal part of what their weights and
+largest steps leave, no more than the model's running sequences can fill and no less than one sequence; the
+model pool keeps the sum of what loaded models take within the budget (service/fronts/model_pool.py).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from service.engine.config import EngineConfig
-from service.engine.kv_cache import block_tokens_for
+from service.engine.kv_cache import BLOCK_TOKENS, block_tokens_for
 from service.engine.prefix_cache import PrefixCache
 from service.runtime.bundle import ModelSpec
 from service.runtime.memory import MemoryLimit, budget_bytes, memory_limit, resident_bytes
@@ -62,15 +67,21 @@ class CachePlan:
         return self.n_blocks * self.block_tokens
 
 
-def plan_caches(config: EngineConfig, runner: StaticRunner) -> CachePlan:
-    """The plan for `runner`'s model under `config`; ValueError when the budget cannot hold it."""
+def plan_caches(config: EngineConfig, runner: StaticRunner, kv_bytes: int | None = None) -> CachePlan:
+    """The plan for `runner`'s model under `config`; ValueError when the budget cannot hold it. `kv_bytes`: the
+    KV cache granted by whoever keeps the budget for several models (then nothing is measured here)."""
     model = runner.manifest.model
     context = served_context(config, model.n_ctx)
     shape = replace(runner.cache_shape, max_seq=context)
     block_tokens = block_tokens_for(shape)
     per_token = shape.bytes_per_slot // shape.max_seq
     state = runner.slot_state_bytes() * config.max_running  # an encoder-decoder's sources, allocated whole
-    memory = plan_memory(config, model, shape, state)
+    if kv_bytes is None:
+        memory = plan_memory(config, model, shape, state)
+    else:
+        limit = memory_limit()
+        memory = MemoryPlan(limit, budget_bytes(config.memory_budget, limit), resident_bytes(),
+                            activation_bytes(model, context, config), kv_bytes)
     n_blocks = (memory.kv - state) // (per_token * block_tokens)
     one = -(-context // block_tokens)
     if n_blocks < one:
@@ -101,23 +112,43 @@ def plan_memory(config: EngineConfig, model: ModelSpec, shape: CacheShape, state
     return MemoryPlan(limit, budget, held, activations, max(kv, 0))
 
 
-def shared_kv_bytes(config: EngineConfig, models: list[ModelSpec]) -> int:
-    """The KV cache of each of `models`, all loaded in this process and sharing its budget: the budget less what
-    the process holds now (every model, measured), each model's largest step and the margin, in equal parts.
-    `kv_cache_bytes`, when set, is each model's and must fit in its part (ValueError)."""
+def kv_shares(config: EngineConfig, models: list[tuple[ModelSpec, int]], held: int) -> list[int]:
+    """The KV cache of each of `models` (each with the bytes its weights are expected to take), served by one
+    process that holds `held` bytes before any of them loads: `kv_cache_bytes` when set; otherwise an equal part
+    of the budget that their weights, their largest steps and the margin leave, at most what the model's
+    `max_running` sequences can fill at the served context and at least one sequence's worth (a budget too
+    small for all of them at once then holds fewer loaded together)."""
+    if not models:
+        return []
     limit = memory_limit()
     budget = budget_bytes(config.memory_budget, limit)
-    held = resident_bytes()
-    activations = sum(activation_bytes(m, min(config.max_context or m.n_ctx, m.n_ctx), config) for m in models)
-    share = max((budget - held - activations - MARGIN_BYTES) // len(models), 0)
-    if config.kv_cache_bytes is None:
-        return share
-    if config.kv_cache_bytes > share:
-        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} ({config.kv_cache_bytes / GiB:.2f} GiB) for each of "
-                         f"{len(models)} models does not fit: memory budget {budget / GiB:.1f} GiB, {held / GiB:.2f} "
-                         f"GiB resident with every model loaded, activations up to {activations / GiB:.2f} GiB leave "
-                         f"{share / GiB:.2f} GiB each. Lower kv_cache_bytes or raise memory_budget")
-    return config.kv_cache_bytes
+    fixed = sum(weights + activation_bytes(m, served_context(config, m.n_ctx), config) for m, weights in models)
+    share = max((budget - held - fixed - MARGIN_BYTES) // len(models), 0)
+    shares = []
+    for model, _ in models:
+        if config.kv_cache_bytes is not None:
+            shares.append(config.kv_cache_bytes)
+            continue
+        sequence, state = sequence_bytes(config, model), config.max_running * source_bytes(config, model)
+        shares.append(min(config.max_running * sequence + state, max(sequence + state, share)))
+    return shares
+
+
+def sequence_bytes(config: EngineConfig, model: ModelSpec) -> int:
+    """What one sequence at the served context takes of a KV cache: its keys and values in every layer, in
+    whole blocks."""
+    context = served_context(config, model.n_ctx)
+    positions = -(-context // BLOCK_TOKENS) * BLOCK_TOKENS
+    return 2 * model.n_layer * model.kv_heads * model.d_head * np.dtype(config.kv_dtype).itemsize * positions
+
+
+def source_bytes(config: EngineConfig, model: ModelSpec) -> int:
+    """An encoder-decoder's state per sequence slot, allocated whole: the cross-attention keys and values of
+    its longest source, and the source's mask (0 for a decoder-only model)."""
+    if not model.encoder_decoder:
+        return 0
+    positions = config.max_source_tokens or model.n_src_ctx or 0
+    return 2 * model.n_layer * model.kv_heads * model.d_head * 4 * positions + 8 * positions
 
 
 def activation_bytes(model: ModelSpec, context: int, config: EngineConfig) -> int:

@@ -69,7 +69,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: StaticRunner | None = None):
+    def __init__(self, config: EngineConfig, runner: StaticRunner | None = None, kv_bytes: int | None = None):
         self.config = config
         self.runner = runner or open_serving_graph(config.bundle, config.graph, config.providers, config.threads,
                                                    config.max_running, config.allow_low_agreement,
@@ -81,7 +81,7 @@ class Engine:
         # ids the tokenizer can turn into text: a model's vocabulary may be padded past them, and
         # those ids are never sampled
         self.sampleable = min(self.tokenizer.vocab_size, m.vocab_size)
-        plan = plan_caches(config, self.runner)
+        plan = plan_caches(config, self.runner, kv_bytes)  # kv_bytes: granted by the model pool (several models)
         self.memory = plan.memory  # where the budget went
         self.context = plan.context  # positions per sequence, prompt + completion
         self.encoder_decoder = m.encoder_decoder  # its prompt is a source, encoded apart

@@ -54,3 +54,7 @@ class UnknownModel(EngineError):
     def __init__(self, name: str, served: list[str]):
         super().__init__(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}")
         self.name = name
+
+
+class Forbidden(EngineError):
+    """The call is one this server does not allow (an admin call on a server without a bearer token)."""

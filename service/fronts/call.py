@@ -2,6 +2,7 @@
 calls by protocol, method and outcome.
 
     call = Call(serving, "grpc", "GenerateStream")
+    call.hold(model)                     # the model the call runs on is not unloaded until it is finished
     call.accepted(accepted, stream)      # the engine took it
     call.observe(events, stream)         # as tokens arrive (metrics labelled with the call's model)
     call.finished("OK", ok=True)         # once, however it ends
@@ -35,6 +36,10 @@ class Call:
         self.prompt_tokens = 0
         self._last: dict[tuple[int, int], float] = {}  # (stream, completion index) -> time of its latest token
         self._started: set[int] = set()  # streams whose first token was observed
+        self._held: list[ModelContext] = []  # models held for it (`ServingContext.take`), let go when it finishes
+
+    def hold(self, model: ModelContext) -> None:
+        self._held.append(model)
 
     def accepted(self, accepted: AcceptedRequest, stream: RequestStream) -> None:
         self.admitted = accepted
@@ -66,6 +71,9 @@ class Call:
 
     def finished(self, code: str, ok: bool) -> None:
         """`code`: the protocol's own (a gRPC status name, an HTTP status number)."""
+        held, self._held = self._held, []
+        for model in held:
+            self.serving.let_go(model)
         self.metrics.requests.labels(self.protocol, self.method, code).inc()
         if self.admitted is None:
             return

@@ -3,11 +3,13 @@ what validation and the responses need of it (`ModelFacts`, `TokenTexts`).
 
     models = served_models(settings)     # one per bundle, named; duplicate names refused
     model.attach(engine)                 # warm: it serves
+    engine = model.detach()              # unloaded: the engine is the caller's to shut down
     model.fail("its manifest is unreadable: ...")   # it will not serve; its requests are told why
     engine = model.ready()               # NotReady while loading, Unavailable once failed or unloaded
 
-A model's state is one of `STATES`: loading -> serving, or loading -> failed; `unloaded` is a model the server
-knows but holds no engine for. The server's own state (accepting, draining) is `ServingContext`'s.
+A model's state is one of `STATES`: unloaded -> loading -> serving -> unloading -> unloaded, or loading ->
+failed. `unloaded` is a model the server knows but holds no engine for: the model pool loads it when it is
+called (service/fronts/model_pool.py). The server's own state (accepting, draining) is `ServingContext`'s.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from service.settings import ServerSettings
 
 log = logging.getLogger("attnserve.server")
 
-ModelState = Literal["loading", "serving", "failed", "unloaded"]
-STATES: tuple[ModelState, ...] = ("loading", "serving", "failed", "unloaded")
+ModelState = Literal["unloaded", "loading", "serving", "unloading", "failed"]
+STATES: tuple[ModelState, ...] = ("unloaded", "loading", "serving", "unloading", "failed")
 
 
 class ModelContext:
@@ -37,16 +39,24 @@ class ModelContext:
     def __init__(self, name: str, bundle: Path):
         self.name = name
         self.bundle = bundle
-        self.state: ModelState = "loading"
+        self.state: ModelState = "unloaded"
         self.failure = ""  # why it failed, in the words its requests are told
         self.engine: AsyncEngine | None = None
         self.facts: ModelFacts | None = None
         self.texts: TokenTexts | None = None
         self.chat_template: tuple[ChatTemplate | None, str] | None = None  # (template, why there is none), read once
+        # what the model pool keeps of it
+        self.graph: str | None = None  # the graph it served when last loaded
+        self.holders = 0  # calls using it now (from the model's choice to the call's end): it is not unloaded
+        self.last_used = 0.0  # monotonic time a call last took or let go of it
+        self.footprint = 0  # bytes of the budget it takes while loaded: weights, largest step, KV cache
+        self.loads = 0  # times it was loaded
+        self.load_seconds = 0.0  # how long its latest load took
 
     def attach(self, engine: AsyncEngine) -> None:
         """The model is loaded and warm: it serves on `engine`."""
         self.engine = engine
+        self.graph = engine.runner.graph_name
         self.texts = TokenTexts(engine.tokenizer)
         n_ctx = engine.context  # the served context, which may be shorter than the model's
         longest = max(len(engine.tokenizer.decode([i])) for i in range(engine.model.vocab_size))
@@ -60,6 +70,12 @@ class ModelContext:
                      self.facts.sampling_defaults)
         self.state = "serving"
 
+    def detach(self) -> AsyncEngine | None:
+        """The model no longer serves: its engine (to shut down) is handed back and what came of it forgotten."""
+        engine, self.engine, self.facts, self.texts = self.engine, None, None, None
+        self.state = "unloaded"
+        return engine
+
     def fail(self, why: str) -> None:
         """The model will not serve; its requests are told `why`."""
         self.state, self.failure = "failed", why
@@ -68,8 +84,8 @@ class ModelContext:
         """The engine; NotReady while the model loads, Unavailable (naming why) once it failed or was unloaded."""
         if self.engine is not None and self.state == "serving":
             return self.engine
-        if self.state == "loading":
-            raise NotReady(f"the model {self.name!r} is still loading; retry shortly")
+        if self.state in ("loading", "unloading"):
+            raise NotReady(f"the model {self.name!r} is {self.state}; retry shortly")
         if self.state == "failed":
             raise Unavailable(f"the model {self.name!r} failed to load: {self.failure}")
         raise Unavailable(f"the model {self.name!r} is not loaded")

@@ -3,14 +3,16 @@ work, the requests in flight (for the drain) and the retry-after hint; the strea
 `stream_cadence.py`'s, each call's metrics `call.py`'s.
 
     serving = ServingContext(settings, metrics)   # one per process; every front holds it
-    serving.add(served_models(settings))          # at start-up: the models, the first the default
+    serving.add(served_models(settings), pool)    # at start-up: the models, the first the default, and their pool
     serving.open()                                # once the models are warm: fronts start accepting
     model = serving.resolve(body.model)           # None or "" = the default; UnknownModel otherwise
+    engine = await serving.take(model, call)      # loaded if need be, and held until the call ends
     engine = serving.admit(model)                 # NotReady while loading, EngineStopped once draining
     serving.in_flight_enter() ... serving.in_flight_leave()   # a generation in progress (`Generation` does it)
 
-Each model has its own engine (queue, scheduler, KV cache); the server's state is shared: a request over gRPC
-and one over HTTP, to any model, are counted in the same `active` and drained together.
+Each model has its own engine (queue, scheduler, KV cache), loaded and unloaded by the model pool
+(`model_pool.py`); the server's state is shared: a request over gRPC and one over HTTP, to any model, are
+counted in the same `active` and drained together.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from service.engine.errors import EngineStopped, NotReady, UnknownModel
 from service.engine.request import TokenEvent
 from service.fronts.metrics import Metrics
 from service.fronts.model_context import ModelContext
+from service.fronts.model_pool import ModelPool
 from service.fronts.stream_cadence import StreamCadence
 from service.settings import ServerSettings
 
@@ -38,6 +41,7 @@ class ServingContext:
         self.settings = settings
         self.metrics = metrics
         self.models: dict[str, ModelContext] = {}  # by name, the default first
+        self.pool: ModelPool | None = None  # loads and unloads them
         self.accepting = False  # False while loading and once draining
         self.opened = False  # set once the server took work: not accepting since means draining
         self.started = time.monotonic()
@@ -47,8 +51,9 @@ class ServingContext:
         self.idle.set()
         self.cadence = StreamCadence(settings)
 
-    def add(self, models: list[ModelContext]) -> None:
+    def add(self, models: list[ModelContext], pool: ModelPool | None = None) -> None:
         self.models.update((model.name, model) for model in models)
+        self.pool = pool
 
     def open(self) -> None:
         """The models are loaded (or failed): new generations are admitted."""
@@ -79,6 +84,20 @@ class ServingContext:
                 raise NotReady("the server is still starting; retry shortly")
             raise UnknownModel(name or "", list(self.models))
         return model
+
+    async def take(self, model: ModelContext, call) -> AsyncEngine:
+        """`model`'s engine for `call`, loaded first if need be (the call waits for it), and held (not unloaded)
+        until the call ends (`Call.finished`); NotReady or Unavailable when it does not serve."""
+        if self.pool is None:
+            return model.ready()
+        engine = await self.pool.acquire(model)
+        call.hold(model)
+        return engine
+
+    def let_go(self, model: ModelContext) -> None:
+        """A call that held `model` is over."""
+        if self.pool is not None:
+            self.pool.release(model)
 
     def ready(self) -> None:
         """NotReady until the models are loaded, for calls that start no generation (a draining server still

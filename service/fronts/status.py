@@ -3,6 +3,7 @@
     error              gRPC                  HTTP   OpenAI error type
     InvalidRequest     INVALID_ARGUMENT      400    invalid_request_error   names the field and its allowed range
     UnknownModel       NOT_FOUND             404    invalid_request_error   names the models served (param: model)
+    Forbidden          PERMISSION_DENIED     403    permission_error        an admin call the server does not allow
     Overloaded         RESOURCE_EXHAUSTED    429    rate_limit_error        retry-after-ms trailer / Retry-After header
     Unavailable        UNAVAILABLE           503    service_unavailable     still loading, or draining
     DeadlineExceeded   DEADLINE_EXCEEDED     408    timeout_error           the slot is already free
@@ -29,6 +30,7 @@ from service import logs
 from service.engine.errors import (
     Cancelled,
     DeadlineExceeded,
+    Forbidden,
     InvalidRequest,
     ModelError,
     Overloaded,
@@ -41,6 +43,7 @@ RETRY_AFTER_KEY = "retry-after-ms"
 CODES: tuple[tuple[type[Exception], grpc.StatusCode, int, str], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     (UnknownModel, grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     (Unavailable, grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 408, "timeout_error"),

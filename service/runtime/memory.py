@@ -6,6 +6,7 @@ address space that costs nothing until it is written.
     budget_bytes("0.65", limit)       # a fraction of the limit, or a size: "12GiB", "800MB", "4294967296"
     array = lazy_zeros(dims, dtype)   # zeros in reserved address space; pages are taken when written
     release_pages(array, lo, hi)      # give the pages wholly inside bytes [lo, hi) of `array` back (they read as 0)
+    return_freed_memory()             # malloc_trim: what an unloaded model freed leaves the resident set
 
 The KV cache reserves every slot's whole context as address space (`lazy_zeros`, an anonymous mapping with
 MAP_NORESERVE: no commit charge) and the kernel maps a page when a position in it is first written, so
@@ -16,6 +17,8 @@ otherwise take 2 MiB.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 import re
@@ -139,3 +142,13 @@ def release_pages(array: np.ndarray, lo: int, hi: int) -> int:
         return 0
     area.madvise(mmap.MADV_DONTNEED, start, end - start)
     return end - start
+
+
+def return_freed_memory() -> None:
+    """Ask the C allocator to give the memory freed since (an unloaded model's weights and arenas) back to the
+    system, so that the resident size falls with it; a no-op where the allocator has no such call."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

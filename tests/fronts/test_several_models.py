@@ -11,22 +11,12 @@ import httpx2  # the HTTP client the openai client brings
 import pytest
 
 from service.client import Client, build_request
-from service.engine.cache_plan import activation_bytes
+from service.engine.cache_plan import MARGIN_BYTES, activation_bytes, sequence_bytes
 from service.runtime.bundle import read_manifest
 from service.runtime.memory import budget_bytes, memory_limit
 from service.settings import ServerSettings, SettingsError, load_settings
+from tests.fronts.conftest import GREEDY, PROMPT
 from tests.fronts.server_harness import ServerThread, free_port, settings, slowed
-
-PROMPT = "transformer"  # a word: the encoder-decoder is a grapheme-to-phoneme model
-GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def bundles(engine_bundle, llama_bundle, seq2seq_bundle):
-    """Three bundles of three kinds (a decoder, a Llama-family decoder, an encoder-decoder), by model name."""
-    named = {read_manifest(b).model.name: b for b in (engine_bundle, llama_bundle, seq2seq_bundle)}
-    assert len(named) == 3, named
-    return named
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +29,6 @@ def several(bundles):
 def http(several):
     with httpx2.Client(base_url=several.http_url, timeout=60) as h:
         yield h
-
-
-@pytest.fixture(scope="module")
-def alone(bundles):
-    """What each bundle answers served alone: its greedy completion over HTTP and its token ids over gRPC."""
-    answers = {}
-    for name, bundle in bundles.items():
-        with ServerThread(settings(bundle, http_port=free_port(), warmup=False)) as srv, \
-                httpx2.Client(base_url=srv.http_url, timeout=60) as h, Client(srv.address, timeout_s=60) as c:
-            text = h.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}).json()["choices"][0]["text"]
-            ids = list(c.generate(PROMPT, temperature=0.0, max_new_tokens=8, ignore_eos=True).completions[0].token_ids)
-            answers[name] = (text, ids)
-    return answers
 
 
 def test_each_model_answers_as_it_does_alone(several, http, alone):
@@ -106,17 +83,18 @@ def test_the_model_list_has_every_model_and_health_each_state(several, http, bun
 
 
 def test_the_models_share_the_memory_budget(several):
-    """Each engine's KV cache is an equal part of what the budget leaves once every model is loaded: together
-    they stay within it."""
-    engines = [m.engine.engine for m in several.server.serving.models.values()]
-    plans = [e.memory for e in engines]
-    assert len({p.kv for p in plans}) == 1 and plans[0].kv > 0
+    """Each engine's KV cache is the one the pool planned for it: no more than its running sequences can fill,
+    and what every model takes (weights, largest step, KV cache) stays within the budget together."""
+    pool = several.server.pool
+    models = list(several.server.serving.models.values())
     s = several.settings
-    budget = budget_bytes(s.memory_budget, memory_limit())
-    largest_steps = sum(activation_bytes(e.model, e.context, s.engine_config()) for e in engines)
-    assert sum(p.kv for p in plans) + min(p.model for p in plans) + largest_steps <= budget
-    with ServerThread(settings(engines[0].config.bundle, warmup=False)) as alone:
-        assert alone.server.engine.engine.memory.kv > plans[0].kv  # alone, it has the whole of what is left
+    for model in models:
+        engine = model.engine.engine
+        assert engine.memory.kv == pool.kv_bytes[model.name] > 0
+        per_sequence = sequence_bytes(s.engine_config(model.bundle), engine.model)
+        assert engine.kv.n_blocks * engine.kv.block_bytes <= engine.max_running * per_sequence
+        assert model.footprint >= engine.memory.kv + activation_bytes(engine.model, engine.context, s.engine_config())
+    assert pool.held + MARGIN_BYTES + sum(m.footprint for m in models) <= budget_bytes(s.memory_budget, memory_limit())
 
 
 def test_a_broken_bundle_leaves_the_others_serving(engine_bundle, llama_bundle, tmp_path):

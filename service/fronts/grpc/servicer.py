@@ -20,6 +20,8 @@ from service.engine.errors import InvalidRequest, Overloaded
 from service.fronts.call import Call
 from service.fronts.generation import Generation
 from service.fronts.grpc.protocol import GRPC_NAMES, Collector, StreamProgress, parse_request, stream_messages
+from service.fronts.model_admin import described, load_model, unload_model
+from service.fronts.model_context import ModelContext
 from service.fronts.serving_context import ServingContext
 from service.fronts.status import internal_detail, status_for
 from service.fronts.validation import check_text_fits
@@ -52,10 +54,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                     await self._write(context, msg)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        async with self._rpc(context, "Tokenize"):
+        async with self._rpc(context, "Tokenize") as call:
             self.serving.ready()
             model = self.serving.resolve(request.model)
-            model.ready()
+            await self.serving.take(model, call)
             facts = model.facts
             check_text_fits("text", request.text, facts)
 
@@ -68,17 +70,20 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         async with self._rpc(context, "GetModelInfo"):
             self.serving.ready()
-            model = self.serving.resolve(request.model)
-            engine = model.ready()
-            m, runner = engine.model, engine.runner
-            return pb.ModelInfo(name=model.name, vocab_size=m.vocab_size, context_tokens=engine.context,
-                                eos_token_id=m.eos_token_id, dtype=runner.spec.dtype,
-                                provider=runner.session.get_providers()[0], graph=runner.graph_name,
-                                architecture=m.architecture, attention_heads=m.n_head, kv_heads=m.kv_heads,
-                                eos_token_ids=m.stop_ids, layers=m.n_layer, kind=m.kind,
-                                source_tokens=engine.limits.max_prompt_tokens if m.encoder_decoder else 0,
-                                decoder_start_token_id=m.decoder_start_token_id or 0,
-                                encoder_layers=m.n_encoder_layer or 0)
+            return self._model_info(self.serving.resolve(request.model))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        async with self._rpc(context, "ListModels"):
+            self.serving.ready()
+            return pb.ListModelsResponse(models=[self._model_info(m) for m in self.serving.models.values()])
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context) -> pb.ModelInfo:
+        async with self._rpc(context, "LoadModel"):
+            return self._model_info(await load_model(self.serving, request.model))
+
+    async def UnloadModel(self, request: pb.UnloadModelRequest, context) -> pb.ModelInfo:
+        async with self._rpc(context, "UnloadModel"):
+            return self._model_info(await unload_model(self.serving, request.model))
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):
@@ -92,6 +97,25 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             return info
 
     # ---- plumbing ------------------------------------------------------------------------------
+
+    def _model_info(self, model: ModelContext) -> pb.ModelInfo:
+        """`model` as ModelInfo, loaded or not (graph, dtype and provider once it is)."""
+        m, context = described(model, self.serving.settings)
+        if m is None:
+            return pb.ModelInfo(name=model.name, state=model.state)
+        info = pb.ModelInfo(name=model.name, vocab_size=m.vocab_size, context_tokens=context,
+                            eos_token_id=m.eos_token_id, architecture=m.architecture, attention_heads=m.n_head,
+                            kv_heads=m.kv_heads, eos_token_ids=m.stop_ids, layers=m.n_layer, kind=m.kind,
+                            decoder_start_token_id=m.decoder_start_token_id or 0,
+                            encoder_layers=m.n_encoder_layer or 0, state=model.state, graph=model.graph or "")
+        engine = model.engine
+        if m.encoder_decoder:
+            info.source_tokens = engine.limits.max_prompt_tokens if engine is not None else \
+                self.serving.settings.max_source_tokens or m.n_src_ctx or 0
+        if engine is not None and model.state == "serving":
+            runner = engine.runner
+            info.dtype, info.provider = runner.spec.dtype, runner.session.get_providers()[0]
+        return info
 
     async def _write(self, context, message) -> None:
         """Send one stream message; a client that reads none of it within write_timeout_s ends the stream."""
@@ -143,7 +167,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             logs.request_id.set(request.request_id or "-")
             self.serving.admit_calls()  # refused while loading or draining, before any parsing
             model = self.serving.resolve(request.model)
-            model.ready()  # a model that does not serve is refused before parsing too
+            await self.serving.take(model, call)  # loaded if need be; one that does not serve is refused here
             facts = model.facts
             long = len(request.prompt) > OFF_LOOP_CHARS or len(request.prompt_token_ids) > OFF_LOOP_CHARS
             accepted = await asyncio.to_thread(parse_request, request, facts) if long else \

@@ -32,7 +32,7 @@ class MessagesApi:
         self.front = front
 
     async def create(self, request: Request, call: Call) -> Response:
-        body, size, model = await read_body(request, MessagesRequest, self.front.serving)
+        body, size, model = await read_body(request, MessagesRequest, self.front.serving, call)
         try:
             accepted, reader, names = await self.front.accept_chat(request, model, body.chat(), size)
             builder = MessageBuilder(model.name, accepted, reader, model.facts.tokenizer, body.stop_sequences or [])
@@ -43,7 +43,7 @@ class MessagesApi:
     async def count_tokens(self, request: Request, call: Call) -> Response:
         """The prompt's length in tokens, rendered as /v1/messages renders it: a conversation /v1/messages
         would refuse (one that leaves no room in the context, say) is refused here too."""
-        body, size, model = await read_body(request, CountTokensRequest, self.front.serving)
+        body, size, model = await read_body(request, CountTokensRequest, self.front.serving, call)
         try:
             accepted, _, _ = await self.front.accept_chat(request, model, body.chat(), size)
         except InvalidRequest as e:

@@ -44,6 +44,7 @@ from service.fronts.http.anthropic_messages import MessagesApi
 from service.fronts.http.bearer_guard import BearerGuard
 from service.fronts.http.chat_prompt import render_prompt
 from service.fronts.http.errors import HttpError, error_response
+from service.fronts.http.models_api import ModelsApi
 from service.fronts.http.openai_names import chat_names, completion_names
 from service.fronts.http.openai_responses import ChatBuilder, CompletionBuilder, ResponseBuilder
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -70,16 +71,19 @@ class HttpFront:
     def __init__(self, serving: ServingContext, token: str | None = None):
         self.serving = serving
         tokenization = Tokenization(serving, self._chat_template)
+        models = ModelsApi(serving)
         routes = [
             self._route("POST", "/v1/completions", self.completions),
             self._route("POST", "/v1/chat/completions", self.chat_completions),
             self._route("POST", "/v1/responses", functools.partial(responses_api.create, self)),
             self._route("GET", "/v1/responses/{response_id}", responses_api.not_stored),
             self._route("DELETE", "/v1/responses/{response_id}", responses_api.not_stored),
-            self._route("GET", "/v1/models", self.models),
-            self._route("GET", "/v1/models/{model:path}", self.model),
+            self._route("GET", "/v1/models", models.list),
+            self._route("GET", "/v1/models/{model:path}", models.one),
             self._route("POST", "/tokenize", tokenization.tokenize),
             self._route("POST", "/detokenize", tokenization.detokenize),
+            self._route("POST", "/models/load", models.load),
+            self._route("POST", "/models/unload", models.unload),
             Route("/health", self.health, methods=["GET"]),
         ]
         messages = MessagesApi(self)
@@ -112,17 +116,8 @@ class HttpFront:
         models = {model.name: model.state for model in s.models.values()}
         return JSONResponse({"status": status, "models": models}, status_code=200 if s.taking_work else 503)
 
-    async def models(self, request: Request, call: Call) -> Response:
-        self.serving.ready()
-        cards = [self._model_card(model) for model in self.serving.models.values()]
-        return self._ok(call, JSONResponse({"object": "list", "data": cards}))
-
-    async def model(self, request: Request, call: Call) -> Response:
-        self.serving.ready()
-        return self._ok(call, JSONResponse(self._model_card(self.serving.resolve(request.path_params["model"]))))
-
     async def completions(self, request: Request, call: Call) -> Response:
-        body, size, model = await read_body(request, CompletionRequest, self.serving)
+        body, size, model = await read_body(request, CompletionRequest, self.serving, call)
         facts = model.facts
         constraint, constraint_field = constraint_of(body)
         names = completion_names(constraint_field)
@@ -150,7 +145,7 @@ class HttpFront:
         return await self.generate(request, call, model, accepted_requests, builder, bool(body.stream), names)
 
     async def chat_completions(self, request: Request, call: Call) -> Response:
-        body, size, model = await read_body(request, ChatCompletionRequest, self.serving)
+        body, size, model = await read_body(request, ChatCompletionRequest, self.serving, call)
         accepted, reader, names = await self.accept_chat(request, model, body, size)
         builder = ChatBuilder(model.name, [accepted], model.texts, self._include_usage(body), reader)
         return await self.generate(request, call, model, [accepted], builder, bool(body.stream), names)
@@ -257,12 +252,6 @@ class HttpFront:
                 raise InvalidRequest("timeout", f"{timeout!r} is not a positive number of seconds")
             accepted.request.deadline = time.monotonic() + timeout
         return accepted
-
-    def _model_card(self, model: ModelContext) -> dict[str, Any]:
-        """OpenAI's model object; `max_model_len` once the model serves."""
-        card = {"id": model.name, "object": "model", "created": int(time.time() - (time.monotonic() -
-                self.serving.started)), "owned_by": "attnserve"}
-        return card | ({"max_model_len": model.engine.context} if model.state == "serving" else {})
 
     def _chat_template(self, model: ModelContext) -> ChatTemplate:
         """`model`'s chat template (read once); InvalidRequest naming `messages` when it cannot chat."""

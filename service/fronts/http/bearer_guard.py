@@ -14,7 +14,7 @@ from service.fronts.status import HttpStatus
 OPEN_PATHS = frozenset({"/health"})
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-          "/health", *sorted(ANTHROPIC_PATHS))  # metric labels; others are "other"
+          "/models/load", "/models/unload", "/health", *sorted(ANTHROPIC_PATHS))  # metric labels; others are "other"
 ANTHROPIC_REFUSAL = "missing or wrong API key: send 'x-api-key: <token>' or 'authorization: Bearer <token>'"
 
 

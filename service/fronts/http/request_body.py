@@ -2,7 +2,7 @@
 (`json_body`), the model its `model` names resolved, the list limits that depend on that model's engine,
 then validated as the endpoint's schema; and the deadline a request carries in its `X-Request-Timeout` header.
 
-    body, size, model = await read_body(request, CompletionRequest, serving)
+    body, size, model = await read_body(request, CompletionRequest, serving, call)   # the model loaded and held
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from service.engine.errors import InvalidRequest
+from service.fronts.call import Call
 from service.fronts.generation import ClientGone
 from service.fronts.http import json_body
 from service.fronts.http.errors import BodyTimeout, TooLarge, schema_error
@@ -24,18 +25,18 @@ from service.fronts.serving_context import ServingContext
 TIMEOUT_HEADER = "x-request-timeout"
 
 
-async def read_body(request: Request, schema: type[BaseModel], serving: ServingContext
+async def read_body(request: Request, schema: type[BaseModel], serving: ServingContext, call: Call
                     ) -> tuple[Any, int, ModelContext]:
-    """The body as `schema`, its size and the model it names: 413 past the size limit, 408 past the body
-    deadline, 400 for JSON or a field of the wrong type, or a list longer than its limit (`json_body`,
-    `check_counts`). Checks first that the server is serving (503), then that the model is served (404) and
-    serves (503)."""
+    """The body as `schema`, its size and the model it names, loaded and held for `call`: 413 past the size
+    limit, 408 past the body deadline, 400 for JSON or a field of the wrong type, or a list longer than its
+    limit (`json_body`, `check_counts`). Checks first that the server is serving (503), then that the model is
+    served (404) and serves (503)."""
     serving.admit_calls()
     default = serving.default
     hint = (f" (and at most {default.engine.most_admitted_at_once()} prompts for {default.name!r})"
             if schema is CompletionRequest and default is not None and default.engine is not None else "")
     data, size = await read_json(request, serving, hint)
-    body, model = checked(schema, data, serving)
+    body, model = await checked(schema, data, serving, call)
     return body, size, model
 
 
@@ -61,13 +62,15 @@ async def read_json(request: Request, serving: ServingContext, hint: str = "") -
     return await json_body.parse(b"".join(chunks), hint), size
 
 
-def checked(schema: type[BaseModel], data: Any, serving: ServingContext) -> tuple[Any, ModelContext]:
+async def checked(schema: type[BaseModel], data: Any, serving: ServingContext, call: Call
+                  ) -> tuple[Any, ModelContext]:
     """`data` (a parsed body) as `schema`, and the model its `model` names (the default when it names none;
-    404 naming those served when it names another; 503 when it does not serve); its lists within their limits
-    and nothing in it that the server cannot honour (the schema's `refuse_unsupported`)."""
+    404 naming those served when it names another; 503 when it does not serve), loaded if need be and held
+    for `call`; its lists within their limits and nothing in it that the server cannot honour (the schema's
+    `refuse_unsupported`)."""
     name = data.get("model") if isinstance(data, dict) else None
     model = serving.resolve(name if isinstance(name, str) else None)  # not a string: the schema says so
-    model.ready()
+    await serving.take(model, call)
     check_counts(data, model)
     body = validated(schema, data)
     body.refuse_unsupported()

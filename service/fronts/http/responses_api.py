@@ -25,7 +25,7 @@ from service.fronts.status import HttpStatus
 
 
 async def create(front: ChatFront, request: Request, call: Call) -> Response:
-    body, size, model = await read_body(request, ResponsesRequest, front.serving)
+    body, size, model = await read_body(request, ResponsesRequest, front.serving, call)
     try:
         accepted, reader, names = await front.accept_chat(request, model, body.chat_request(), size)
         builder = ResponsesBody(model.name, accepted, reader, body.echo())

@@ -97,7 +97,7 @@ class Tokenization:
     async def tokenize(self, request: Request, call: Call) -> Response:
         self.serving.ready()  # a draining server still tokenizes, as gRPC's Tokenize does
         data, size = await read_json(request, self.serving)
-        body, model = checked(tokenize_schema(data), data, self.serving)
+        body, model = await checked(tokenize_schema(data), data, self.serving, call)
         engine = model.ready()
         facts = model.facts
         template = self.chat_template(model) if isinstance(body, TokenizeChat) else None
@@ -120,7 +120,7 @@ class Tokenization:
     async def detokenize(self, request: Request, call: Call) -> Response:
         self.serving.ready()
         data, size = await read_json(request, self.serving)
-        body, model = checked(Detokenize, data, self.serving)
+        body, model = await checked(Detokenize, data, self.serving, call)
         tokenizer = model.facts.tokenizer
         for i, token in enumerate(body.tokens):
             if not 0 <= token < tokenizer.vocab_size:
