@@ -27,6 +27,7 @@ from typing import TypeVar
 from service.engine.async_engine import AsyncEngine
 from service.engine.core import Engine
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.step_turns import StepTurns
 from service.fronts.model_context import ModelContext
 from service.runtime.bundle import AUTO_GRAPH, Manifest, read_manifest
 from service.runtime.graph_choice import open_serving_graph
@@ -42,11 +43,13 @@ T = TypeVar("T")
 
 class ModelLoader:
     """Loads a model on the server's settings; `prebuilt` is an engine already built for the default model
-    (tests), served on its first load instead of opening the bundle."""
+    (tests), served on its first load instead of opening the bundle. `turns`: what the engines of several
+    models share, to take turns at the cores (`step_turns`)."""
 
-    def __init__(self, settings: ServerSettings, prebuilt: AsyncEngine | None = None):
+    def __init__(self, settings: ServerSettings, prebuilt: AsyncEngine | None = None, turns: StepTurns | None = None):
         self.settings = settings
         self._prebuilt = prebuilt
+        self.turns = turns
 
     async def load(self, model: ModelContext, kv_bytes: int | None, status: Callable[[str], None] = lambda _: None
                    ) -> AsyncEngine:
@@ -61,7 +64,7 @@ class ModelLoader:
             runner = await in_loading_thread(lambda: self.open(model.bundle))
             return_freed_memory()  # what the self-check opened beside the served graph
             config = s.engine_config(model.bundle)
-            engine = AsyncEngine(config, engine=Engine(config, runner, kv_bytes))
+            engine = AsyncEngine(config, engine=Engine(config, runner, kv_bytes), turns=self.turns)
         try:
             if s.warmup:
                 status("warming up {}")
@@ -76,11 +79,12 @@ class ModelLoader:
         return engine
 
     def open(self, bundle: Path) -> StaticRunner:
-        """`bundle`'s serving graph, opened through the cache of graph choices (`cache_dir`, `recheck`)."""
+        """`bundle`'s serving graph, opened through the cache of graph choices (`cache_dir`, `recheck`). With
+        several models its threads do not spin while idle: they would take the cores from the other engines."""
         s, config = self.settings, self.settings.engine_config(bundle)
         return open_serving_graph(config.bundle, config.graph, config.providers, config.threads, config.max_running,
                                   config.allow_low_agreement, config.max_source_tokens, cache_dir=s.cache_dir,
-                                  recheck=s.recheck, kv_dtype=config.kv_dtype)
+                                  recheck=s.recheck, kv_dtype=config.kv_dtype, spin=len(s.bundle) == 1)
 
     def weight_bytes(self, model: ModelContext, manifest: Manifest | None = None) -> int:
         """What `model`'s weights take once loaded, counted as its graph's files (and its encoder's): the graph

@@ -35,6 +35,7 @@ from attnserve.v1 import generate_pb2_grpc as pb_grpc
 from service import logs
 from service.engine.async_engine import AsyncEngine
 from service.engine.errors import EngineStopped
+from service.engine.step_turns import StepTurns
 from service.fronts.file_handles import fit_connections
 from service.fronts.grpc.decoding import MalformedMessages
 from service.fronts.grpc.options import server_options
@@ -68,7 +69,8 @@ class Server:
         self.serving = ServingContext(settings, self.metrics)
         self.service = TextGenerationService(self.serving)
         self.health = health.aio.HealthServicer()
-        self.loader = ModelLoader(settings, engine)  # `engine`: a prebuilt engine of the default model (tests)
+        turns = StepTurns() if len(settings.bundle) > 1 and settings.step_turns else None  # several: one step at a time
+        self.loader = ModelLoader(settings, engine, turns)  # `engine`: a prebuilt engine of the default model (tests)
         self.pool: ModelPool | None = None  # built in start(), with the models
         self._cut_short = asyncio.Event()  # set by cut_short(): the drain ends what is in flight at once
         self.loading: str | None = "starting up"  # what start-up is doing, for the log; None once serving

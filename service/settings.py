@@ -72,6 +72,9 @@ class ServerSettings(BaseSettings, EngineConfig):
     max_loaded_models: int = Field(0, ge=0)
     """most models loaded at once; loading another unloads the least recently used idle one (0 = as many as the
     memory budget holds)"""
+    step_turns: bool = True
+    """with several models, their engines take turns at the cores, a model step at a time, each step using every
+    core; off: engines step at once, their onnxruntime threads sharing the cores"""
     host: str = "127.0.0.1"
     """address the gRPC, HTTP and metrics ports bind to (0.0.0.0 = all interfaces)"""
     port: int = Field(50051, ge=0, le=65535)

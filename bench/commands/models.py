@@ -14,9 +14,11 @@ is loaded for it, what unloading gives back, and how two engines share the cores
   Medians over the rounds (each round a new server and cache folder).
 - **cores** (`--cores`, on the first two decoder bundles, or the `--cores-bundle`s, one bundle given once
   being served twice under two names): decode
-  throughput of `--streams` streams of `--tokens` tokens on each model alone, then on both at once, with each
-  engine's onnxruntime using every core (`--threads 0`, the default) and with one thread each (`--threads 1`).
-  The settings interleaved within each round; medians.
+  throughput of `--streams` streams of `--tokens` tokens on each model alone, then on both at once: the engines
+  taking turns at the cores, a step at a time (the default), stepping at once with every core each
+  (`--no-step-turns`), and stepping at once with one thread each (`--no-step-turns --threads 1`); beside them,
+  the first model served alone by a server of its own (whose idle threads spin, as one model's do). The ways
+  interleaved within each round; medians.
 
 Writes docs/bench/models.json (or into --out) and the models section of docs/BENCHMARKS.md.
 """
@@ -45,6 +47,11 @@ TOKEN = "bench-models"
 PROMPT_TOKENS, NEW_TOKENS = 16, 8
 LOADED = re.compile(r"model (\S+) loaded in ([0-9.]+) s")
 DEFAULTS = dict(rounds=3, streams=4, tokens=64)
+ALONE = "served alone (a server of one model)"
+CORE_WAYS = {ALONE: [],
+             "taking turns, every core each (default)": [],
+             "at once, every core each": ["--no-step-turns"],
+             "at once, one thread each": ["--no-step-turns", "--threads", "1"]}
 QUICK = dict(rounds=1, streams=2, tokens=8)
 
 
@@ -102,12 +109,14 @@ async def decode_rate(client: AsyncClient, models: list[str], vocab: dict[str, i
 
 
 async def cores_round(server: ServerProcess, names: list[str], vocab: dict[str, int], args, seed: int) -> dict:
+    """Each of `names` decoding alone, then (with two) both at once."""
     rng = np.random.default_rng(seed)
     async with AsyncClient(server.address, timeout_s=1800) as client:
-        await decode_rate(client, names, vocab, 1, 2, rng)  # both loaded and warm
-        return {"alone": {name: (await decode_rate(client, [name], vocab, args.streams, args.tokens, rng))[name]
-                          for name in names},
-                "together": await decode_rate(client, names, vocab, args.streams, args.tokens, rng)}
+        await decode_rate(client, names, vocab, 1, 2, rng)  # loaded and warm
+        alone = {name: (await decode_rate(client, [name], vocab, args.streams, args.tokens, rng))[name]
+                 for name in names}
+        together = await decode_rate(client, names, vocab, args.streams, args.tokens, rng) if len(names) > 1 else None
+        return {"alone": alone, "together": together}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         if len(decoders) == 1:
             decoders.append((decoders[0][0], decoders[0][1] + "-again"))
         pair = [n for _, n in decoders]
-        cores = {"models": pair, "threads": {}}
+        cores = {"models": pair, "ways": {}}
+        vocab = {n: read_manifest(b).model.vocab_size for b, n in decoders}
         for r in range(args.rounds):
-            for threads in (0, 1):
-                serve = [*(f for b, _ in decoders for f in ("--bundle", str(b))),
-                         *(f for n in pair for f in ("--served-model-name", n)), "--threads", str(threads), *common]
-                vocab = {n: read_manifest(b).model.vocab_size for b, n in decoders}
+            for way, flags in CORE_WAYS.items():
+                served = decoders[:1] if way == ALONE else decoders
+                serve = [*(f for b, _ in served for f in ("--bundle", str(b))),
+                         *(f for _, n in served for f in ("--served-model-name", n)), *flags, *common]
                 with ServerProcess(serve, start_timeout_s=3600) as server:
-                    cores["threads"].setdefault(str(threads), []).append(
-                        asyncio.run(cores_round(server, pair, vocab, args, seed=r)))
-                print(f"round {r + 1}, threads {threads}: {cores['threads'][str(threads)][-1]}", flush=True)
+                    measured = asyncio.run(cores_round(server, [n for _, n in served], vocab, args, seed=r))
+                cores["ways"].setdefault(way, []).append(measured)
+                print(f"round {r + 1}, {way}: {cores['ways'][way][-1]}", flush=True)
     result = {"machine": describe(), "command": "attnserve bench models" + (" " + " ".join(argv) if argv else ""),
               "bundles": [str(b) for b in bundles], "names": names, "loads": loads, "cores": cores,
               "settings": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "streams": args.streams,
@@ -192,6 +202,9 @@ def render(r: dict) -> str:
              "seen it), of the next (loaded), and of a request after `UnloadModel` (which loads it again, the choice "
              "read from the cache); the load itself from the server's log; the server's resident memory loaded and "
              f"after the unload. Medians of {s['rounds']} round(s), each a new server.", "",
+             *(["Bundles under a `real-shapes` folder hold random weights at a real model's dimensions "
+                "(`python -m bench.real_shapes build NAME`).", ""] if any("real-shapes" in b for b in r["bundles"])
+               else []),
              "| model | first request (s) | of which the load (s) | loaded (s) | after an unload (s) | of which the "
              "reload (s) | RSS loaded → unloaded (MiB) |", "|---|---|---|---|---|---|---|"]
     for name in r["names"][1:]:
@@ -205,14 +218,14 @@ def render(r: dict) -> str:
         a, b = c["models"]
         lines += ["", f"Two engines decoding at once ({s['streams']} streams of {s['tokens']} tokens on each), "
                   "tokens/s, medians:", "",
-                  f"| onnxruntime threads per engine | {a} alone | {b} alone | {a} beside {b} | {b} beside {a} | "
-                  "both, in all |", "|---|---|---|---|---|---|"]
-        for threads, rounds in c["threads"].items():
-            def med(key: str, model: str, rounds=rounds) -> float:
-                return statistics.median(x[key][model] for x in rounds)
-            lines.append(f"| {'every core' if threads == '0' else threads} | {med('alone', a):.1f} | "
-                         f"{med('alone', b):.1f} | {med('together', a):.1f} | {med('together', b):.1f} | "
-                         f"{med('together', 'total'):.1f} |")
+                  f"| engines' steps | {a} alone | {b} alone | {a} beside {b} | {b} beside {a} | both, in all |",
+                  "|---|---|---|---|---|---|"]
+        for way, rounds in c["ways"].items():
+            def med(key: str, model: str, rounds=rounds) -> str:
+                values = [x[key][model] for x in rounds if x[key] is not None and model in x[key]]
+                return f"{statistics.median(values):.1f}" if values else "—"
+            lines.append(f"| {way} | {med('alone', a)} | {med('alone', b)} | {med('together', a)} | "
+                         f"{med('together', b)} | {med('together', 'total')} |")
     return "\n".join(lines) + "\n"
 
 

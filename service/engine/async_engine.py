@@ -23,6 +23,7 @@ raises `Overloaded`. A request it accepts is never refused later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -40,6 +41,7 @@ from service.engine.errors import EngineError, EngineStopped, InvalidRequest, Mo
 from service.engine.grammar import Grammar
 from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.sequence import RequestState, Timing
+from service.engine.step_turns import StepTurns
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +179,10 @@ COMPILE_THREADS = 2  # grammars compiled at once; more wait their turn (within t
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, engine: Engine | None = None):
+    def __init__(self, config: EngineConfig, engine: Engine | None = None, turns: StepTurns | None = None):
         self.engine = engine or Engine(config)
         self.config = config
+        self._turns = turns or contextlib.nullcontext()  # several engines in a process: one step at a time
         e = self.engine
         self.model, self.tokenizer, self.limits = e.model, e.tokenizer, e.limits  # fixed for the engine's life
         self.context = e.context  # positions per sequence: the model context or a shorter max_context
@@ -339,7 +342,8 @@ class AsyncEngine:
             try:
                 out += engine.expire()
                 if engine.has_work:
-                    out += engine.step(emit=self._deliver)
+                    with self._turns:
+                        out += engine.step(emit=self._deliver)
             except Exception as e:  # a bug, not a model fault: fail what is in flight, keep the thread alive
                 log.exception("engine step failed")
                 for state in list(engine.requests.values()):

@@ -82,4 +82,5 @@ class Call:
             self.metrics.request_duration.labels(self._model).observe(total)
             self.serving.completions.append(time.monotonic())
         log.info("%s %s %s", self.protocol, self.method, code, extra={
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1)})
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens, "total_ms": round(1000 * total, 1),
+            "model": self._model})

@@ -92,22 +92,22 @@ class Candidate:
 def open_serving_graph(bundle: Path, graph: str = AUTO_GRAPH, provider: Provider = "cpu", threads: int = 0,
                        max_batch: int = MAX_TIMING_BATCH, allow_low_agreement: bool = False,
                        max_source: int | None = None, cache_dir: Path | None = None,
-                       recheck: bool = False, kv_dtype: KvDtype = "float32") -> StaticRunner:
+                       recheck: bool = False, kv_dtype: KvDtype = "float32", spin: bool = True) -> StaticRunner:
     """The runner to serve `bundle` with, checked on this machine (raises `BundleError`): `graph`, or with
     "auto" the fastest batch-invariant graph that passes the self-check, timed at batch 1 and `max_batch`
     (at most 32); either with its KV cache in `kv_dtype`. `allow_low_agreement` serves a named graph that
     disagrees with fp32 (never under auto).
     `max_source`: the source positions an encoder-decoder's slots hold (default: its longest source).
     `cache_dir`: where what was measured is kept for the next start (None: nowhere); `recheck` measures
-    again even if it is kept."""
+    again even if it is kept. `spin`: the sessions' idle threads spin (`create_session`)."""
     encoder_decoder = read_manifest(bundle).model.encoder_decoder
     if max_source is not None and not encoder_decoder:
         raise BundleError(f"{bundle} holds a decoder-only model: max_source_tokens applies to encoder-decoders")
 
     def open_(name: str | None) -> StaticRunner:
         if encoder_decoder:
-            return open_encoder_decoder(bundle, name, provider, threads, max_source)
-        return StaticRunner(bundle, name, provider, threads)
+            return open_encoder_decoder(bundle, name, provider, threads, max_source, spin)
+        return StaticRunner(bundle, name, provider, threads, spin=spin)
 
     batch = min(max_batch, MAX_TIMING_BATCH)
     named = graph != AUTO_GRAPH
@@ -212,10 +212,10 @@ def warn_if_not_invariant(runner: StaticRunner, checked: SelfCheck) -> None:
 
 
 def open_encoder_decoder(bundle: Path, graph: str | None, provider: Provider, threads: int,
-                         max_source: int | None = None) -> Seq2SeqRunner:
+                         max_source: int | None = None, spin: bool = True) -> Seq2SeqRunner:
     """An encoder-decoder bundle's runner, on the CPU (no other provider has been checked against it)."""
     try:
-        runner = Seq2SeqRunner(bundle, graph, provider, threads, max_source=max_source)
+        runner = Seq2SeqRunner(bundle, graph, provider, threads, max_source=max_source, spin=spin)
     except ValueError as e:
         raise BundleError(str(e)) from None
     if runner.provider != "CPUExecutionProvider":

@@ -47,13 +47,14 @@ SMALL_GRAPH_BYTES = 64 << 20  # the pair is opened a second time only if its fil
 
 class Seq2SeqRunner(StaticRunner):
     def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
-                 intra_op_threads: int = 0, inter_op_threads: int = 1, max_source: int | None = None):
-        super().__init__(bundle_dir, graph, provider, intra_op_threads, inter_op_threads)
+                 intra_op_threads: int = 0, inter_op_threads: int = 1, max_source: int | None = None,
+                 spin: bool = True):
+        super().__init__(bundle_dir, graph, provider, intra_op_threads, inter_op_threads, spin)
         m = self.manifest.model
         if not m.encoder_decoder:
             raise BundleError(f"{self.bundle_dir} holds a decoder-only model, not an encoder-decoder")
         spec = self.manifest.encoder_for(self.graph_name)
-        self.encoder = create_session(self.bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads)
+        self.encoder = create_session(self.bundle_dir / spec.file, provider, intra_op_threads, inter_op_threads, spin)
         check_io(self.encoder, spec, m.n_layer, m.kind, encoder=True)
         files = [self.bundle_dir / spec.file, self.bundle_dir / self.spec.file]
         self.one_thread: tuple[ort.InferenceSession, ort.InferenceSession] | None = None  # (encoder, decoder)

@@ -66,7 +66,9 @@ def load_tokenizer(bundle_dir: Path, manifest: Manifest) -> Tokenizer:
 
 
 def create_session(path: Path, provider: Provider, intra_op_threads: int = 0,
-                   inter_op_threads: int = 1) -> ort.InferenceSession:
+                   inter_op_threads: int = 1, spin: bool = True) -> ort.InferenceSession:
+    """`path`'s session. `spin`: its idle threads spin a while before they sleep (onnxruntime's default, which
+    saves a wake-up between operators); off where other sessions of the process run on the same cores."""
     if not path.is_file():
         raise BundleError(f"graph file {path} is missing")
     options = ort.SessionOptions()
@@ -74,6 +76,9 @@ def create_session(path: Path, provider: Provider, intra_op_threads: int = 0,
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), options, providers=choose_providers(provider))
     except BundleError:
@@ -111,8 +116,9 @@ class GraphRunner:
     CACHE: ClassVar[CacheLayout]
 
     def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
-                 intra_op_threads: int = 0, inter_op_threads: int = 1):
-        """Open `graph` (default: the bundle's preferred graph with this runner's cache layout)."""
+                 intra_op_threads: int = 0, inter_op_threads: int = 1, spin: bool = True):
+        """Open `graph` (default: the bundle's preferred graph with this runner's cache layout); `spin` as
+        `create_session`'s."""
         self.bundle_dir = Path(bundle_dir)
         self.manifest = read_manifest(self.bundle_dir)
         self.graph_name = name = graph or self.manifest.preferred_graph(self.CACHE)
@@ -126,7 +132,7 @@ class GraphRunner:
                               f"one (graphs in the bundle: {listing})")
         self.tokenizer = load_tokenizer(self.bundle_dir, self.manifest)
         self.session = create_session(self.bundle_dir / self.spec.file, provider, intra_op_threads,
-                                      inter_op_threads)
+                                      inter_op_threads, spin)
         m = self.manifest.model
         check_io(self.session, self.spec, m.n_layer, m.kind)
         log.info("onnxruntime %s: %s graph %s (%s cache) on %s (intra-op threads %s)", ort.__version__, m.name,

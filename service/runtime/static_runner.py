@@ -59,8 +59,8 @@ class StaticRunner(GraphRunner):
     CACHE = "static"
 
     def __init__(self, bundle_dir: str | Path, graph: str | None = None, provider: Provider = "auto",
-                 intra_op_threads: int = 0, inter_op_threads: int = 1):
-        super().__init__(bundle_dir, graph, provider, intra_op_threads, inter_op_threads)
+                 intra_op_threads: int = 0, inter_op_threads: int = 1, spin: bool = True):
+        super().__init__(bundle_dir, graph, provider, intra_op_threads, inter_op_threads, spin)
         m = self.manifest.model
         if m.encoder_decoder and type(self) is StaticRunner:
             raise BundleError(f"{self.bundle_dir} holds an encoder-decoder model: its decoder graph needs the "

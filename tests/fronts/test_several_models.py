@@ -12,6 +12,7 @@ import pytest
 
 from service.client import Client, build_request
 from service.engine.cache_plan import MARGIN_BYTES, activation_bytes, sequence_bytes
+from service.engine.step_turns import StepTurns
 from service.runtime.bundle import read_manifest
 from service.runtime.memory import budget_bytes, memory_limit
 from service.settings import ServerSettings, SettingsError, load_settings
@@ -195,3 +196,11 @@ def test_the_drain_ends_every_models_requests(engine_bundle, llama_bundle):
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "grace period" in e.value.details()
         for model in srv.server.serving.models.values():
             assert not model.engine.engine.requests
+
+
+def test_the_engines_take_turns_at_the_cores_unless_told_not_to(several, engine_bundle, llama_bundle):
+    turns = {id(m.engine._turns) for m in several.server.serving.models.values()}
+    assert len(turns) == 1 and several.server.loader.turns is not None  # one StepTurns, every engine's
+    with ServerThread(settings([engine_bundle, llama_bundle], step_turns=False, warmup=False)) as srv:
+        assert srv.server.loader.turns is None
+        assert not any(isinstance(m.engine._turns, StepTurns) for m in srv.server.serving.models.values())

@@ -58,9 +58,9 @@ def test_a_restart_serves_the_cached_graph_alone_without_measuring(tmp_path, mea
     opened = []
     runner = graph_choice.StaticRunner
 
-    def opening(bundle, name, *args):
+    def opening(bundle, name, *args, **kwargs):
         opened.append(name)
-        return runner(bundle, name, *args)
+        return runner(bundle, name, *args, **kwargs)
 
     monkeypatch.setattr(graph_choice, "StaticRunner", opening)
     with caplog.at_level(logging.INFO, logger="service.runtime.graph_choice"):
