@@ -40,6 +40,7 @@ QUICK = {
     "prefix-cache": ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "4096", "--context", "256",
                      "--prefix-tokens", "100", "--rounds", "1", "--out", "{out}"],
     "priority": ["--quick", "--bundle", "{bundle}", "--out", "{out}"],
+    "models": ["--quick", "--bundle", "{bundle}", "--bundle", "{s2s_bundle}", "--cores", "--out", "{out}"],
     "structured": ["--vocabs", "300", "--sp-vocab", "400", "--code-chars", "0", "--rounds", "1", "--walks", "2",
                    "--out", "{out}"],
     "replicas": ["--bundle", "{bundle}", "--replicas", "1,2", "--rounds", "1", "--clients", "2", "--new-tokens", "4",
@@ -50,7 +51,7 @@ QUICK = {
             "--work", "{out}/work", "--out", "{out}"],
 }
 SLOW = {"engine", "serve", "compare", "soak", "llama-shape", "rotary-placement", "prefix-cache", "g2p", "replicas",
-        "startup", "memory", "priority"}  # start a server, or export a graph with torch
+        "startup", "memory", "priority", "models"}  # start a server, or export a graph with torch
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
