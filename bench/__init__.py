@@ -8,6 +8,8 @@
   - fleet.py           replicas of one model, each `attnserve serve` in a child process (`ServerProcess`)
   - g2p_score.py       `attnserve score-g2p`: the served G2P model's test WER and PER (greedy, beams), into its card
   - load_clients.py    clients that stream request after request until stopped, each request recorded
+  - nbits_invariance.py  `python -m bench.nbits_invariance`: whether 4-bit MatMulNBits gives a row the same bits
+                       alone and batched, by block size, accuracy level, threads and padding (a diagnostic)
   - nginx.py           nginx in front of a fleet, configured by deploy/nginx/attnserve.conf.template
   - noop_server.py     a server that generates nothing (`python -m bench.noop_server`), for `bench serve --noop-check`
   - op_profile.py      `python -m bench.op_profile`: a decode step's time by operator (a diagnostic, not a bench)
