@@ -6,13 +6,14 @@ MODEL  ?= models/shakespeare
 BUNDLE ?= models/shakespeare-onnx
 PROMPT ?= ROMEO:
 
-.PHONY: help install test test-serving lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization real-shapes bench-peers bench-llama-cpp bench soak lmeval-venv clean
+.PHONY: help install test test-serving test-avx2-view lint serve generate protos train bundle train-g2p bundle-g2p serve-g2p bench-onnx bench-quantization real-shapes bench-peers bench-llama-cpp bench soak lmeval-venv clean
 
 help:
 	@echo "make serve      serve the shipped default model: gRPC on localhost:50051, HTTP (OpenAI API) on :8000, metrics on :9464"
 	@echo "make generate   sample text from the shipped default model in-process"
 	@echo "make test       run the whole test suite (sets up .venv and .venv-lmeval first), then the serving lane"
 	@echo "make test-serving  the engine, runtime, server and CLI tests in .venv-serving: the serving install"
+	@echo "make test-avx2-view  the tests that depend on onnxruntime's kernels again, on an AVX2-only view of this CPU"
 	@echo "                only (no torch), as the container has it, on the shipped bundle"
 	@echo "make train      retrain the default model: GPT and Llama-style layouts at two schedules (~90 min on 2 cores)"
 	@echo "make bundle     export the default model to its ONNX bundle and verify it"
@@ -44,6 +45,34 @@ install: $(BIN)/.installed
 test: install .venv-lmeval/bin/.installed  # lm-evaluation-harness, for tests/fronts/test_lm_eval.py
 	$(BIN)/python -m pytest
 	$(MAKE) --no-print-directory test-serving
+	$(MAKE) --no-print-directory test-avx2-view
+
+# The AVX2-only lane: onnxruntime picks its kernels from CPUID, and AVX2 without VNNI computes otherwise (u8s8
+# pair sums saturate; 4-bit blocks round otherwise), so the tests whose outcome depends on the kernels (graph
+# choice, self-check, batch invariance, the engine on each graph) run again with CPUID masked to AVX2
+# (tests/avx2_view/mask_cpuid.c, LD_PRELOAD: native speed, on CPUs that can fault on CPUID). An AVX2-only
+# CPU needs no second run; a CPU that cannot fault on CPUID leaves the AVX2 kernels to the qemu tests.
+AVX2_VIEW       := .cache/avx2-view/mask_cpuid.so
+AVX2_VIEW_TESTS ?= tests/runtime tests/engine tests/export/test_int4.py tests/export/test_row_quantization.py \
+                   tests/export/test_kv_precision.py tests/export/test_default_bundle.py \
+                   tests/export/test_seq2seq_export.py tests/fronts/test_batch_invariance.py
+
+$(AVX2_VIEW): tests/avx2_view/mask_cpuid.c
+	mkdir -p $(dir $@)
+	cc -O2 -shared -fPIC -o $@ $<
+
+test-avx2-view: install
+	@if ! grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo; then \
+		echo "test-avx2-view: this CPU has AVX2 without AVX-512, AVX-VNNI or AMX: the main run was on its AVX2 kernels"; \
+	elif ! grep -qw cpuid_fault /proc/cpuinfo; then \
+		echo "test-avx2-view: this CPU cannot fault on CPUID: the AVX2 kernels are tested under qemu alone" \
+			"(tests/export/test_avx2_emulated.py)"; \
+	elif ! command -v cc >/dev/null; then \
+		echo "test-avx2-view: no C compiler (cc) to build the CPUID mask: the AVX2 kernels are tested under qemu alone"; \
+	else \
+		$(MAKE) --no-print-directory $(AVX2_VIEW) && \
+		LD_PRELOAD=$(abspath $(AVX2_VIEW)) $(BIN)/python -m pytest -p no:faulthandler --avx2-view $(AVX2_VIEW_TESTS); \
+	fi
 
 # The serving lane: attnserve installed as the image installs it (pip install of the sources the Dockerfile
 # copies, not editable, no extras: no torch, no onnx, no transformers), and the engine, runtime, server and
@@ -195,4 +224,4 @@ soak: install
 	$(BIN)/attnserve bench soak --minutes 10
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) $(LMEVAL) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(CT2) $(OPENVINO) $(SERVING) $(LMEVAL) .pytest_cache .ruff_cache .hypothesis .cache/avx2-view

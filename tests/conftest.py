@@ -44,11 +44,22 @@ def pytest_addoption(parser):
                      help="run the engine, runtime, server and CLI tests on this exported bundle instead of the "
                           "tiny models built with torch, and skip the tests that need torch (the serving lane; "
                           "without torch installed, the shipped bundle is used)")
+    parser.addoption("--avx2-view", action="store_true",
+                     help="the session runs under the AVX2-only CPU view (make test-avx2-view): check that "
+                          "onnxruntime takes its AVX2 kernels before any test")
 
 
 def pytest_configure(config):
     """Servers started by the tests (in-process or as child processes, which inherit the environment) keep their
-    graph choices in a folder of this session's, never in the user's cache."""
+    graph choices in a folder of this session's, never in the user's cache. With --avx2-view, the session
+    first makes sure onnxruntime sees the AVX2-only CPU (`make test-avx2-view`), else it stops."""
+    if config.getoption("--avx2-view"):
+        from tests.avx2_view import SATURATED, u8s8_product
+
+        if u8s8_product() != SATURATED:
+            pytest.exit("--avx2-view: onnxruntime did not take the AVX2 kernel (its u8s8 product is exact): the "
+                        "CPUID mask is not loaded (LD_PRELOAD tests/avx2_view/mask_cpuid.so) or this CPU cannot "
+                        "fault on CPUID", returncode=1)
     if "ATTNSERVE_CACHE_DIR" not in os.environ:
         os.environ["ATTNSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnserve-test-cache-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("ATTNSERVE_CACHE_DIR"), ignore_errors=True))
@@ -63,6 +74,10 @@ def serving_bundle(config: pytest.Config) -> Path | None:
 
 
 def pytest_report_header(config):
+    if config.getoption("--avx2-view"):
+        from service.runtime.cpu import cpu_info
+
+        return [f"AVX2-only view of the CPU: {cpu_info().describe()}"]
     bundle = serving_bundle(config)
     if bundle is None:
         return None

@@ -196,7 +196,7 @@ DOCKER = ("the image's build and run are tests/deploy/test_deploy.py::test_docke
 
 TABLE: dict[str, Run | Skip] = {
     "make serve": Run(RECIPE, server=SHAKESPEARE),
-    "make test": Skip("it is this suite, then the serving lane"),
+    "make test": Skip("it is this suite, then the serving lane and the AVX2 lane"),
     ".venv/bin/attnserve generate \"Rom.\" --stream --temperature 0.8 --max-new-tokens 100 --server localhost:50051":
         Run(CLIENT, prints_continuation_of("Rom."), server=SHAKESPEARE),
     "grpcurl -plaintext localhost:50051 list": Skip(NO_GRPCURL),

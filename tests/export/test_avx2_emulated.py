@@ -24,26 +24,15 @@ from pathlib import Path
 import pytest
 
 from service.runtime.self_check import MIN_AGREEMENT
+from tests.avx2_view import SATURATED
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "models" / "shakespeare-onnx"
 
 CHILD = textwrap.dedent("""
     import json, sys
-    import numpy as np, onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    # 255 x 127 summed over 64 terms: exact integer kernels give 2072640; AVX2's VPMADDUBSW saturates
-    # each pair sum at 32767, giving 32 x 32767
-    k = 64
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "saturation",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
-        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])],
-        [numpy_helper.from_array(np.full((k, 1), 127, np.int8), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    product = int(session.run(None, {"a": np.full((1, k), 255, np.uint8)})[0].item())
+    from tests.avx2_view import u8s8_product
+    product = u8s8_product()
 
     from service.runtime.static_runner import StaticRunner
     from service.runtime.self_check import check
@@ -92,5 +81,5 @@ def self_check_on_haswell(qemu: str, bundle: Path, graph: str) -> dict:
                          capture_output=True, text=True, cwd=ROOT, timeout=1800)  # 495 s seen on a 2-core Xeon
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["product"] == 32 * 32767, "the emulated CPU did not take the AVX2 (saturating) kernel"
+    assert result["product"] == SATURATED, "the emulated CPU did not take the AVX2 (saturating) kernel"
     return result

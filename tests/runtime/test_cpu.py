@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.runtime.cpu import KERNEL_FLAGS, CpuInfo, cpu_info, parse_cpuinfo
+from service.runtime.cpu import KERNEL_FLAGS, CpuInfo, cpu_info, parse_cpuinfo, process_flags
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -34,3 +34,14 @@ def test_this_machine_is_read_from_proc_cpuinfo(tmp_path):
     assert info.model and info.cores >= 1 and set(info.flags) <= set(KERNEL_FLAGS)
     missing = tmp_path / "cpuinfo"
     assert cpu_info(missing).flags == ()  # no /proc/cpuinfo: no flags claimed
+
+
+def test_flags_the_process_cannot_use_are_not_claimed():
+    """CPUID masked for the process (tests/avx2_view/): what /proc/cpuinfo lists beyond it is not claimed."""
+    listed = {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"}
+    everything = {"AVX2": True, "AVX512F": True, "AVX512VNNI": True}
+    assert process_flags(listed, everything) == listed
+    masked = {"AVX2": True, "AVX512F": False, "AVX512VNNI": False}
+    assert process_flags(listed, masked) == {"avx2", "fma"}  # AVX-VNNI cannot be told apart: dropped with them
+    client = {"avx2", "avx_vnni"}  # AVX-VNNI without AVX-512 (a client CPU): nothing hidden, all kept
+    assert process_flags(client, masked) == client

@@ -1,0 +1,25 @@
+"""The test suite's AVX2-only view of the CPU (mask_cpuid.c, loaded with LD_PRELOAD by `make test-avx2-view`),
+and how a process tells which view it has: onnxruntime's u8s8 integer matmul saturates only on AVX2 without
+VNNI, so its product says which kernel it took."""
+
+from __future__ import annotations
+
+K = 64
+SATURATED = 32 * 32767  # 255 x 127 pairs summed in 16 bits, saturating at 32767 each: AVX2's VPMADDUBSW
+EXACT = K * 255 * 127  # VNNI, AMX, or any exact integer kernel
+
+
+def u8s8_product() -> int:
+    """255 x 127 summed over K terms by onnxruntime's MatMulInteger on this process's CPU view."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["a", "w"], ["y"])], "saturation",
+        [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, K])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [1, 1])],
+        [numpy_helper.from_array(np.full((K, 1), 127, np.int8), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return int(session.run(None, {"a": np.full((1, K), 255, np.uint8)})[0].item())
