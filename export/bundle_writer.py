@@ -17,7 +17,7 @@ from export.external_data import DataFile, copy_initializers, data_path, load_gr
 from export.kv_precision import CALIBRATION_TOKENS, kv_scales, with_kv_cache
 from export.onnx_export import DEFAULT_OPSET, export_decoder
 from export.static_cache_graph import export_static_cache_decoder
-from export.variants import INT4, INT8, INT8_PER_TENSOR, convert_fp16, optimize, quantize
+from export.variants import INT4, INT8, INT8_PER_TENSOR, Quantization, convert_fp16, optimize, quantize
 from model.checkpoint import TOKENIZER_FILE, WEIGHTS_FILE, load_model_dir
 from model.config import GPTConfig
 from service.runtime.bundle import (
@@ -179,11 +179,13 @@ def write_kv_twins(config: GPTConfig, tokenizer: Tokenizer, out: Path, graphs: l
 
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
-                  optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False, int4: bool = False,
+                  optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False,
+                  int4: bool | Quantization = False,
                   fp16: bool = False, keep_fp32: bool = True, default: str = "static",
                   kv_dtypes: tuple[KvDtype, ...] = ()) -> list[str]:
-    """Write the bundle; returns the graph variants written. `kv_dtypes`: each serving graph again with its KV
-    cache in each of these types (`kv_variant`)."""
+    """Write the bundle; returns the graph variants written. `int4`: True for `INT4`, or the 4-bit quantization
+    to write (another block size). `kv_dtypes`: each serving graph again with its KV cache in each of these types
+    (`kv_variant`)."""
     if not keep_fp32 and not (optimized or int8 or fp16):
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
                          "a bundle keeps a standard graph")
@@ -201,7 +203,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         quantize(static, out / GRAPH_FILES["static-int8-per-tensor"], INT8_PER_TENSOR)
         variants.append("static-int8-per-tensor")
     if int4:
-        quantize(static, out / GRAPH_FILES["static-int4"], INT4)
+        quantize(static, out / GRAPH_FILES["static-int4"], INT4 if int4 is True else int4)
         variants.append("static-int4")
     variants += write_kv_twins(config, tokenizer, out, [v for v in variants if v in STATIC_VARIANTS], kv_dtypes)
     if optimized:
@@ -221,6 +223,9 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         raise ValueError(f"default graph {default!r} was not written; the bundle has {variants}")
     manifest = make_manifest(config, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
                              weights_hash(model_dir), variants, default)
+    if int4 and int4 is not True and int4.block_size != INT4.block_size:  # the descriptions name the default's
+        for spec in manifest.graphs.values():
+            spec.description = spec.description.replace(f"block {INT4.block_size},", f"block {int4.block_size},")
     for v in variants:
         stamp_metadata(out / GRAPH_FILES[v], manifest)
     copy_tokenizer(model_dir, out)

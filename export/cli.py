@@ -21,7 +21,7 @@ from attnserve.arguments import HintingParser
 from export.bundle_writer import GRAPH_FILES, export_bundle
 from export.known_warnings import known_warnings_silenced
 from export.onnx_export import DEFAULT_OPSET
-from export.variants import node_count
+from export.variants import INT4, node_count, quantization
 from model.checkpoint import CONFIG_FILE, load_model_dir, load_seq2seq_dir
 from model.seq2seq_config import is_seq2seq
 
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "activation scale per batch: not batch-invariant, served only when named), for comparison")
     p.add_argument("--int4", action="store_true",
                    help="also write the 4-bit serving graph (CPU; exact integer products on every x86-64 CPU)")
+    p.add_argument("--int4-block-size", type=int, choices=(16, 32, 64, 128), default=INT4.block_size,
+                   help="weights sharing one scale in the 4-bit graph (default %(default)s; 16 is batch-invariant on "
+                        "AVX2-only CPUs too, at more bytes per token: docs/onnx.md)"),
     p.add_argument("--fp16", action="store_true", help="also write the FP16 graph (CUDA)")
     p.add_argument("--kv-dtype", dest="kv_dtypes", action="append", choices=["float16", "int8"], default=[],
                    help="also write each serving graph with its KV cache in this type (repeatable): float16 halves "
@@ -89,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if (args.model_dir / CONFIG_FILE).is_file() and is_seq2seq(args.model_dir / CONFIG_FILE):
         return export_encoder_decoder(args)
     variants = export_bundle(args.model_dir, args.out, name=args.name, opset=args.opset, optimized=args.optimize,
-                             int8=args.int8, int8_per_tensor=args.int8_per_tensor, int4=args.int4, fp16=args.fp16,
+                             int8=args.int8, int8_per_tensor=args.int8_per_tensor,
+                             int4=quantization(f"nbits4-int8-b{args.int4_block_size}") if args.int4 else None,
+                             fp16=args.fp16,
                              keep_fp32=args.keep_fp32, default=args.default, kv_dtypes=tuple(args.kv_dtypes))
     for v in variants:
         print(f"wrote {args.out / GRAPH_FILES[v]} ({v}, {node_count(args.out / GRAPH_FILES[v])} nodes)")

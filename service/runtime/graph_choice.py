@@ -164,7 +164,8 @@ def choose_and_check(bundle: Path, open_: Callable[[str | None], StaticRunner], 
             pick.checked = check(pick.runner, reference, probe=probe)
             why = None if pick.checked.invariance.identical else (
                 f"it is not batch-invariant on this CPU ({pick.checked.invariance.describe()}), so a request's "
-                "tokens would depend on the other requests in its batch; name it with --graph to serve it anyway")
+                "tokens would depend on the other requests in its batch; name it with --graph to serve it anyway"
+                f"{int4_hint(pick.runner)}")
         except BundleError as e:
             why = str(e)
         if why is None:
@@ -207,8 +208,16 @@ def serve_cached(runner: StaticRunner, cached: CachedChoice, cache: ChoiceCache)
 def warn_if_not_invariant(runner: StaticRunner, checked: SelfCheck) -> None:
     if not checked.invariance.identical:
         log.warning("graph %s is not batch-invariant on this CPU: a request's tokens, greedy or seeded, can "
-                    "change with the other requests in its batch; --graph auto serves only graphs that are",
-                    runner.graph_name)
+                    "change with the other requests in its batch; --graph auto serves only graphs that are%s",
+                    runner.graph_name, int4_hint(runner))
+
+
+def int4_hint(runner: StaticRunner) -> str:
+    """What a 4-bit graph that fails the batch-invariance probe can be exported as instead."""
+    if runner.spec.weights != "int4":
+        return ""
+    return (" (a 4-bit graph of block 16 is batch-invariant on AVX2 and AVX-512 VNNI CPUs: attnserve export --int4 "
+            "--int4-block-size 16; docs/onnx.md, 'Batch invariance, CPU by CPU')")
 
 
 def open_encoder_decoder(bundle: Path, graph: str | None, provider: Provider, threads: int,

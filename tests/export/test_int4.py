@@ -91,6 +91,8 @@ def test_auto_times_the_int4_graph_among_the_others(int4_bundle, caplog, tmp_pat
     refusals = [m for m in caplog.messages if m.startswith("graph choice: not serving static-int4: ")]
     if runner.graph_name != "static-int4":  # measured beside the one served, or refused with the reason
         assert "static-int4 (int4): " in line or (refusals and "static-int4" in kept["refused"])
+    for refusal in refusals:  # not batch-invariant here (an AVX2-only CPU): the way out is named
+        assert "--int4-block-size 16" in refusal
 
 
 def test_block_sizes_are_read_from_the_candidate_name():
@@ -100,3 +102,22 @@ def test_block_sizes_are_read_from_the_candidate_name():
     for wrong in ("nbits4-int8-b24", "nbits4-int8-b8", "u8s8-b32", "nbits5-int8"):
         with pytest.raises(ValueError):
             quantization(wrong)
+
+
+def test_a_block_16_graph_is_written_on_request_and_batch_invariant(tiny_model_dir, tmp_path):
+    """`--int4-block-size 16`: the 4-bit graph whose rows keep to themselves on AVX2-only CPUs too, where block 32's
+    one-row kernel rounds otherwise (docs/onnx.md); measured on AVX2 and AVX-512 VNNI kernels, not on AMX."""
+    from export.cli import main as export_main
+    from service.runtime.cpu import cpu_info
+
+    out = tmp_path / "b16"
+    assert export_main([str(tiny_model_dir), "-o", str(out), "--int4", "--int4-block-size", "16"]) == 0
+    graph = onnx.load(str(out / GRAPH_FILES["static-int4"])).graph
+    sizes = {onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type == "MatMulNBits"
+             for a in n.attribute if a.name == "block_size"}
+    assert sizes == {16} and "block 16," in read_manifest(out).graphs["static-int4"].description
+    result = check(StaticRunner(out, "static-int4", provider="cpu"))
+    assert result.agreement.top1 >= MIN_AGREEMENT["int4"]
+    if "amx_tile" in cpu_info().flags:
+        pytest.skip("block 16's batch invariance is measured on AVX2 and AVX-512 VNNI kernels, not AMX's")
+    assert result.invariance.identical, result.invariance.describe()
