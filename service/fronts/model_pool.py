@@ -93,9 +93,7 @@ class ModelPool:
                 log.info("model %s is loaded on its first request: the memory budget holds the models before it",
                          model.name)
                 continue
-            await self._load_task(model)
-            if model.state == "failed" and not self.several:
-                raise RuntimeError(model.failure)
+            await self._load_task(model)  # raises while starting when the only model fails
         if all(m.state == "failed" for m in self.models):
             raise RuntimeError("no model could be loaded: " + "; ".join(f"{m.name}: {m.failure}" for m in self.models))
         self._starting = False
