@@ -12,11 +12,12 @@ server in a process of its own (signals, exit codes, a probe that must not share
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from service.client.server_process import free_port  # noqa: F401 - the tests take it from here with the rest
@@ -129,3 +130,10 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def templated_server(bundle: Path, directory: Path, template: str) -> Iterator[ServerThread]:
+    """A server, gRPC and HTTP, on a copy of `bundle` in `directory` that brings `template` as its chat template."""
+    with ServerThread(settings(with_chat_template(bundle, directory, template), http_port=free_port())) as srv:
+        yield srv

@@ -22,8 +22,8 @@ from tests.fronts.server_harness import (  # noqa: E402
     free_port,
     settings,
     slowed,
+    templated_server,
     wait_until,
-    with_chat_template,
 )
 
 PROMPT = "Rom.\nBut soft"
@@ -222,8 +222,7 @@ def test_32_concurrent_streams_through_async_openai(server):
 @pytest.fixture(scope="module")
 def chat_server(engine_bundle, tmp_path_factory):
     """The engine bundle with a ChatML template."""
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("chat"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("chat"), CHATML) as srv:
         yield srv
 
 

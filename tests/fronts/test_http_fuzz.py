@@ -156,10 +156,9 @@ conversations = st.one_of(st.just([{"role": "user", "content": "hi"}]),
 
 def test_no_tools_body_gets_a_5xx(engine_bundle, tmp_path_factory):
     """Tools reach a template that renders them, and a grammar is built for them: still never a 5xx."""
-    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+    from tests.fronts.server_harness import templated_server
 
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("tools"), TOOL_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv, \
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("tools"), TOOL_TEMPLATE) as srv, \
             httpx2.Client(base_url=srv.http_url, timeout=120) as h:
 
         @hsettings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,13 @@ import pytest
 
 from service.client import Client, build_request
 from tests.engine.harness import Gate
-from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, wait_until, with_chat_template
+from tests.fronts.server_harness import (
+    ServerThread,
+    engine_for,
+    settings,
+    templated_server,
+    wait_until,
+)
 from tests.fronts.test_http_api import CHATML, oai, raw
 
 PROMPT = [5, 6, 7]
@@ -23,8 +29,7 @@ HTTP_TOKENS = 40  # per choice, short enough for a chat prompt beside it in the 
 
 @pytest.fixture(scope="module")
 def srv(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("bias"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as s:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("bias"), CHATML) as s:
         yield s
 
 

@@ -31,7 +31,15 @@ from service.fronts.reasoning import ReasoningParser
 from service.fronts.tool_calls import ToolCallParser
 from service.fronts.validation import AcceptedRequest
 from service.runtime.chat_template import ChatTemplate
-from tests.fronts.server_harness import ServerThread, engine_for, free_port, settings, slowed, with_chat_template
+from tests.fronts.server_harness import (
+    ServerThread,
+    engine_for,
+    free_port,
+    settings,
+    slowed,
+    templated_server,
+    with_chat_template,
+)
 from tests.fronts.test_http_api import CHATML, oai
 from tests.fronts.test_reasoning import SERVER_TEMPLATE as REASONING_TEMPLATE
 from tests.fronts.test_tool_calls import SERVER_TEMPLATE as TOOLS_TEMPLATE
@@ -72,8 +80,7 @@ def events_of(response: httpx2.Response) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def chat_server(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("messages"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("messages"), CHATML) as srv:
         yield srv
 
 
@@ -241,8 +248,7 @@ def test_a_full_queue_is_529_and_a_deadline_mid_stream_an_error_event(engine_bun
 @pytest.fixture(scope="module")
 def tool_server(engine_bundle, tmp_path_factory):
     """Its template writes the tools' names and the messages' contents (and names the hermes format)."""
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("messages_tools"), TOOLS_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("messages_tools"), TOOLS_TEMPLATE) as srv:
         yield srv
 
 
@@ -276,8 +282,7 @@ def test_a_tool_round_trip(tool_server):
 @pytest.fixture(scope="module")
 def reasoning_server(engine_bundle, tmp_path_factory):
     """Its generation prompt opens a reasoning section unless `enable_thinking` is false."""
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("messages_reasoning"), REASONING_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("messages_reasoning"), REASONING_TEMPLATE) as srv:
         yield srv
 
 

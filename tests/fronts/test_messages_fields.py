@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from service.fronts.http.anthropic_schema import CountTokensRequest, MessagesRequest
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+from tests.fronts.server_harness import templated_server
 from tests.fronts.test_http_api import CHATML
 from tests.fronts.test_request_fields import API_DOC, schema_fields
 
@@ -63,8 +63,7 @@ def test_the_table_lists_exactly_the_fields_each_endpoint_takes(endpoint):
 
 @pytest.fixture(scope="module")
 def api(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("messages_fields"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("messages_fields"), CHATML) as srv:
         with anthropic.Anthropic(base_url=srv.http_url, api_key="unused", max_retries=0, timeout=60) as client:
             yield client
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import settings as hsettings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template  # noqa: E402
+from tests.fronts.server_harness import templated_server  # noqa: E402
 from tests.fronts.test_http_fuzz import json_values, schema  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -90,8 +90,7 @@ def bodies(draw):
 
 
 def test_no_messages_body_gets_a_5xx(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("messages_fuzz"), TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv, \
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("messages_fuzz"), TEMPLATE) as srv, \
             httpx2.Client(base_url=srv.http_url, timeout=120) as h:
 
         @hsettings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -153,10 +153,9 @@ MESSAGES = [{"role": "user", "content": "Rain?"}]
 
 @pytest.fixture(scope="module")
 def reasoning_server(engine_bundle, tmp_path_factory):
-    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+    from tests.fronts.server_harness import templated_server
 
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("reasoning"), SERVER_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("reasoning"), SERVER_TEMPLATE) as srv:
         yield srv
 
 
@@ -203,11 +202,10 @@ def qwen3_server(engine_bundle, tmp_path_factory):
     """The engine bundle with the test template in Qwen3's prompt format."""
     from pathlib import Path
 
-    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+    from tests.fronts.server_harness import templated_server
 
     template = (Path(__file__).parents[1] / "runtime" / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("qwen3"), template)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("qwen3"), template) as srv:
         yield srv
 
 

@@ -38,6 +38,7 @@ from tests.fronts.server_harness import (  # noqa: E402
     free_port,
     settings,
     slowed,
+    templated_server,
     with_chat_template,
 )
 from tests.fronts.test_http_api import oai  # noqa: E402
@@ -252,8 +253,7 @@ def test_a_stream_that_fails_ends_with_an_error_and_response_failed():
 
 @pytest.fixture(scope="module")
 def chat_server(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("responses"), TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("responses"), TEMPLATE) as srv:
         yield srv
 
 
@@ -379,8 +379,7 @@ TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["fu
 
 @pytest.fixture(scope="module")
 def tool_api(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("responses-tools"), TOOLS_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv, oai(srv) as api, Client(srv.address) as grpc:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("responses-tools"), TOOLS_TEMPLATE) as srv, oai(srv) as api, Client(srv.address) as grpc:
         yield api, grpc
 
 

@@ -19,7 +19,13 @@ from pydantic import BaseModel, Field
 
 from attnserve.v1 import generate_pb2 as pb
 from service.client import Client
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+from tests.fronts.server_harness import (
+    ServerThread,
+    free_port,
+    settings,
+    templated_server,
+    with_chat_template,
+)
 from tests.fronts.test_http_api import CHATML, oai
 
 PROMPT = [5, 6, 7]
@@ -49,8 +55,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def chat_server(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("structured"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("structured"), CHATML) as srv:
         yield srv
 
 

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+from tests.fronts.server_harness import templated_server
 from tests.fronts.test_http_api import CHATML, raw
 
 KEYS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
@@ -20,8 +20,7 @@ MESSAGES = [{"role": "user", "content": "Rain today?"}]
 
 @pytest.fixture(scope="module")
 def server(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("timings"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("timings"), CHATML) as srv:
         yield srv
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.runtime.chat_template import ChatTemplate
 from service.runtime.tokenizer import Tokenizer
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+from tests.fronts.server_harness import ServerThread, free_port, settings, templated_server
 from tests.fronts.test_http_api import CHATML, error_of, raw
 
 MESSAGES = [{"role": "user", "content": "Rain?"}]
@@ -20,8 +20,7 @@ TOOL_TEMPLATE = CHATML.replace("{% for message", "{% if tools %}{{ '<|im_start|>
 
 @pytest.fixture(scope="module")
 def server(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("tokenize"), TOOL_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("tokenize"), TOOL_TEMPLATE) as srv:
         yield srv
 
 

@@ -472,10 +472,9 @@ SHORT_MESSAGES = [{"role": "user", "content": "Rain?"}]
 @pytest.fixture(scope="module")
 def tool_server(engine_bundle, tmp_path_factory):
     """The engine bundle with SERVER_TEMPLATE."""
-    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+    from tests.fronts.server_harness import templated_server
 
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("tools"), SERVER_TEMPLATE)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("tools"), SERVER_TEMPLATE) as srv:
         yield srv
 
 

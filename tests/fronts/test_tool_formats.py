@@ -118,11 +118,10 @@ DRY = {"type": "function", "function": {"name": "dry"}}
 
 @pytest.fixture(scope="module", params=list(SERVER_TEMPLATES))
 def format_server(request, engine_bundle, tmp_path_factory):
-    from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+    from tests.fronts.server_harness import templated_server
 
     template = SERVER_TEMPLATES[request.param] + "{% for m in messages %}{{ m.content or '' }}\n{% endfor %}"
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp(request.param), template)
-    with ServerThread(settings(bundle, http_port=free_port())) as srv:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp(request.param), template) as srv:
         yield srv
 
 

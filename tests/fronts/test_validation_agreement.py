@@ -18,7 +18,7 @@ import pytest
 from attnserve.v1 import generate_pb2 as pb
 from service.client import Client, build_request
 from service.fronts.http.openai_schema import ChatCompletionRequest, CompletionRequest
-from tests.fronts.server_harness import ServerThread, free_port, settings, with_chat_template
+from tests.fronts.server_harness import ServerThread, templated_server
 from tests.fronts.test_http_api import CHATML, oai
 
 PROMPT = [5, 6, 7, 8]
@@ -141,8 +141,7 @@ def mentioned(message: str, names: set[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def srv(engine_bundle, tmp_path_factory):
-    bundle = with_chat_template(engine_bundle, tmp_path_factory.mktemp("agreement"), CHATML)
-    with ServerThread(settings(bundle, http_port=free_port())) as s:
+    with templated_server(engine_bundle, tmp_path_factory.mktemp("agreement"), CHATML) as s:
         yield s
 
 
