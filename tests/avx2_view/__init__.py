@@ -4,9 +4,26 @@ VNNI, so its product says which kernel it took."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 K = 64
 SATURATED = 32 * 32767  # 255 x 127 pairs summed in 16 bits, saturating at 32767 each: AVX2's VPMADDUBSW
 EXACT = K * 255 * 127  # VNNI, AMX, or any exact integer kernel
+WIDER = ("avx512f", "avx_vnni", "amx_tile")  # what the view hides: each brings other integer kernels
+
+
+def where_avx2_kernels_run(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """Where this machine runs onnxruntime's AVX2 kernels, as `make test-avx2-view` decides it: "native" on an
+    AVX2-only CPU, "view" where the lane can mask CPUID (the CPU faults on it and a C compiler builds the mask),
+    else "qemu" (an emulated Haswell, 30-100x slower)."""
+    flags = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    if not flags & set(WIDER):
+        return "native"
+    return "view" if "cpuid_fault" in flags and shutil.which("cc") else "qemu"
 
 
 def u8s8_product() -> int:

@@ -42,6 +42,7 @@ QUICK = {
     "priority": ["--quick", "--bundle", "{bundle}", "--out", "{out}"],
     "models": ["--quick", "--bundle", "{bundle}", "--bundle", "{s2s_bundle}", "--cores", "--out", "{out}"],
     "structured": ["--vocabs", "300", "--sp-vocab", "400", "--code-chars", "0", "--rounds", "1", "--walks", "2",
+                   "--server-rounds", "1", "--streams", "2", "--singles", "1", "--max-tokens", "16", "--no-llama-cpp",
                    "--out", "{out}"],
     "replicas": ["--bundle", "{bundle}", "--replicas", "1,2", "--rounds", "1", "--clients", "2", "--new-tokens", "4",
                  "--measured", "2", "--skip-roll", "--out", "{out}"],  # the roll and the kill: test_replicas.py
