@@ -109,7 +109,9 @@ def test_the_other_fields_become_the_chat_requests():
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
@@ -152,9 +154,16 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 READER = OutputReader(ToolCallParser("hermes", {"get_weather"}), ReasoningParser())
 
 
-def builder(reader: OutputReader | None = READER) -> ResponsesBody:
-    accepted = AcceptedRequest(GenerationRequest("r", [1, 2, 3]), "r", "", False)
-    return ResponsesBody("m", accepted, reader, request({"input": "x"}).echo())
+class Names:
+    """`TokenTexts` as the builder uses it, a token named by its id."""
+
+    def openai_logprob(self, token_id: int, logprob: float, top=None) -> dict[str, Any]:
+        return {"token": str(token_id), "logprob": logprob, "bytes": [], "top_logprobs": []}
+
+
+def builder(reader: OutputReader | None = READER, logprobs: bool = False) -> ResponsesBody:
+    accepted = AcceptedRequest(GenerationRequest("r", [1, 2, 3], logprobs=logprobs), "r", "", False)
+    return ResponsesBody("m", accepted, reader, request({"input": "x"}).echo(), Names())
 
 
 def events(text: str, step: int = 3, finish: FinishReason = FinishReason.EOS) -> list[TokenEvent]:
@@ -261,6 +270,44 @@ def chat_server(engine_bundle, tmp_path_factory):
 def api(chat_server):
     with oai(chat_server) as c:
         yield c
+
+
+def test_each_answer_token_logprob_goes_with_the_text_it_wrote():
+    """Reasoning and calls carry no logprobs; markup and held-back text go with the answer text after them;
+    the end of sequence with the answer it ends."""
+    pieces = ["<think>", "wh", "y", "</think>", "Sun", "ny", "<tool", "_call>", CALL.removeprefix("<tool_call>"),
+              "Then", " rain", ""]
+    token_events = [TokenEvent("r", 0, i, -0.5, [], text, FinishReason.EOS if i == len(pieces) - 1 else None)
+                    for i, text in enumerate(pieces)]
+    b = builder(logprobs=True)
+    stream = streamed(b, token_events)
+    messages = [item for item in b.response()["output"] if item["type"] == "message"]
+    assert [m["content"][0]["text"] for m in messages] == ["Sunny", "Then rain"]
+    assert [[lp["token"] for lp in m["content"][0]["logprobs"]] for m in messages] == [["3", "4", "5"], ["9", "10", "11"]]
+    deltas = [e for e in stream if e["type"] == "response.output_text.delta"]
+    assert [(e["delta"], [lp["token"] for lp in e["logprobs"]]) for e in deltas] == \
+        [("Sun", ["3", "4"]), ("ny", ["5"]), ("Then", ["9"]), (" rain", ["10"]), ("", ["11"])]
+    done = [e["logprobs"] for e in stream if e["type"] == "response.output_text.done"]
+    assert [[lp["token"] for lp in logprobs] for logprobs in done] == [["3", "4", "5"], ["9", "10", "11"]]
+    assert all(item["content"][0]["logprobs"] == [] for item in builder().response()["output"]
+               if item["type"] == "message")
+
+
+def test_logprobs_are_the_chat_completions_when_included(api):
+    fields = dict(model="", input="Rain?", max_output_tokens=8, temperature=0)
+    chat = api.chat.completions.create(model="", messages=[{"role": "user", "content": "Rain?"}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    response = api.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **fields)
+    part = response.output[0].content[0]
+    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in chat]
+    assert all(len(lp.top_logprobs) == 3 for lp in part.logprobs) and response.top_logprobs == 3
+    streamed_events = list(api.responses.create(stream=True, include=["message.output_text.logprobs"],
+                                                top_logprobs=3, **fields))
+    sent = [lp.model_dump() for e in streamed_events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert sent == [lp.model_dump(exclude={"bytes": True, "top_logprobs": {"__all__": {"bytes"}}}) for lp in chat]
+    done, = [e.logprobs for e in streamed_events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done] == sent
+    assert api.responses.create(top_logprobs=3, **fields).output[0].content[0].logprobs == []  # not included
 
 
 def test_a_response_is_the_chat_completion_of_the_same_conversation(api):
@@ -454,7 +501,7 @@ ACCEPTED = {
     "model": "", "input": [{"role": "user", "content": "x"}], "instructions": "Be", "max_output_tokens": 3,
     "temperature": 0.5, "top_p": 0.9, "tools": [{"type": "function", "name": "f"}], "tool_choice": "none",
     "parallel_tool_calls": False, "text": {"format": {"type": "text"}}, "reasoning": {"effort": "low", "summary": "auto"},
-    "stream": False, "include": [], "truncation": "disabled", "store": True, "metadata": {"k": "v"}, "user": "u1",
+    "stream": False, "include": ["message.output_text.logprobs"], "top_logprobs": 2, "truncation": "disabled", "store": True, "metadata": {"k": "v"}, "user": "u1",
     "previous_response_id": None, "conversation": None,
 }
 # the refusals the table documents: (value, the param the 400 names)

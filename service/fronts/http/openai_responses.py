@@ -252,13 +252,8 @@ class ChatBuilder(ResponseBuilder):
     def _new_logprobs(self) -> list[dict]:
         return []
 
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text, raw = self.texts.openai(token_id)
-        return {"token": text, "logprob": logprob, "bytes": raw}
-
     def _record(self, targets: tuple[list[dict], ...], event: TokenEvent, text_offset: int) -> None:
-        entry = {**self._entry(event.token_id, event.logprob),
-                 "top_logprobs": [self._entry(t, v) for t, v in event.top_logprobs or ()]}
+        entry = self.texts.openai_logprob(event.token_id, event.logprob, event.top_logprobs)
         for target in targets:
             target.append(entry)
 

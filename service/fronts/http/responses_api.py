@@ -28,7 +28,7 @@ async def create(front: ChatFront, request: Request, call: Call) -> Response:
     body, size, model = await read_body(request, ResponsesRequest, front.serving, call)
     try:
         accepted, reader, names = await front.accept_chat(request, model, body.chat_request(), size)
-        builder = ResponsesBody(model.name, accepted, reader, body.echo())
+        builder = ResponsesBody(model.name, accepted, reader, body.echo(), model.texts)
         return await front.generate(request, call, model, [accepted], builder, bool(body.stream), names)
     except InvalidRequest as e:
         raise responses_error(e) from None

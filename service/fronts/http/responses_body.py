@@ -10,6 +10,14 @@ its text sent as deltas (`response.reasoning_text.delta`, `response.output_text.
 as one `response.function_call_arguments.delta`, once the call is whole), and closed (`….done`, then
 `response.output_item.done`). The whole response is the same items: it is built by the same steps.
 
+With logprobs asked for (`include: ["message.output_text.logprobs"]`), each token's logprob and its
+`top_logprobs` alternatives go with the answer text it wrote: into its `output_text` part and the delta
+that sent the text. A token whose text the reader held back (a possible call's opening) goes with the text
+it is released as, and one that wrote nothing (`</think>`, the end of sequence) with the next answer text,
+or, last, with the answer being written when the output ends (in a delta of no text); a token read into the
+reasoning section or a call carries none, as neither has logprobs. An answer alone thus carries exactly
+the chat completion's `logprobs.content`.
+
     response.created, response.in_progress, <the items' events>, response.completed | response.incomplete
     ... error, response.failed                                    # when the stream fails after it began
 
@@ -31,6 +39,7 @@ from service.fronts.chat_output import OutputReader
 from service.fronts.http.errors import ERROR_CODES
 from service.fronts.http.response_streams import sse
 from service.fronts.status import HttpStatus
+from service.fronts.token_texts import TokenTexts
 from service.fronts.tool_calls import ParsedMessage, ToolCall
 from service.fronts.validation import AcceptedRequest
 
@@ -42,10 +51,18 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprobs as the text events carry them: tokens and logprobs, without the part's bytes."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
 class ResponsesBody:
     """One request's Response, as its events arrive (a Response has one output: n is always 1)."""
 
-    def __init__(self, model: str, accepted: AcceptedRequest, reader: OutputReader | None, echo: dict[str, Any]):
+    def __init__(self, model: str, accepted: AcceptedRequest, reader: OutputReader | None, echo: dict[str, Any],
+                 texts: TokenTexts):
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -56,6 +73,9 @@ class ResponsesBody:
         self.output_tokens = 0
         self.section_tokens = 0  # tokens read while a reasoning section could be open (reasoning, if there was one)
         self.reader = reader.stream() if reader else None  # None: the text is all answer
+        self.texts = texts
+        self.want_logprobs = accepted.want_logprobs
+        self.held: list[dict[str, Any]] = []  # logprobs of tokens whose text the reader holds back
         self.finish_reason: FinishReason | None = None
         self.error: dict[str, Any] | None = None
         self.output: list[dict[str, Any]] = []  # the items so far
@@ -115,28 +135,46 @@ class ResponsesBody:
         piece = self.reader.feed(event.text) if self.reader else ParsedMessage(event.text or None)
         if event.finish_reason is not None and self.reader:
             piece.extend(self.reader.finish())
+        logprobs = self._logprobs(event, piece)
         if piece.reasoning:
             self._write("reasoning", piece.reasoning)
         if piece.content:
-            self._write("message", piece.content)
+            self._write("message", piece.content, logprobs)
         for call in piece.calls:
             self._close("completed")
             self._call(call)
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
+            if self.held and self.open is not None and self.open["type"] == "message":
+                self._write("message", "", self.held)
             self._close("incomplete" if event.finish_reason == FinishReason.LENGTH else "completed")
             if not self.output:
                 self._open("message")
                 self._close("completed")
 
-    def _write(self, kind: str, text: str) -> None:
+    def _logprobs(self, event: TokenEvent, piece: ParsedMessage) -> list[dict[str, Any]]:
+        """The logprobs that go with `piece`'s answer text: its token's and those of the tokens held back
+        before it; none when logprobs were not asked for."""
+        if not self.want_logprobs:
+            return []
+        self.held.append(self.texts.openai_logprob(event.token_id, event.logprob, event.top_logprobs))
+        if piece.content:
+            released, self.held = self.held, []
+            return released
+        if piece.reasoning or piece.calls:
+            self.held = []
+        return []
+
+    def _write(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
         if self.open is None or self.open["type"] != kind:
             self._close("completed")
             self._open(kind)
         part = self.open["content"][0]
         part["text"] += text
-        logprobs = {"logprobs": []} if kind == "message" else {}
-        self._emit(DELTA[kind], **self._where(), content_index=0, delta=text, **logprobs)
+        if kind == "message":
+            part["logprobs"] += logprobs or []
+        fields = {"logprobs": _event_logprobs(logprobs or [])} if kind == "message" else {}
+        self._emit(DELTA[kind], **self._where(), content_index=0, delta=text, **fields)
 
     def _open(self, kind: str) -> None:
         if kind == "message":
@@ -157,7 +195,7 @@ class ResponsesBody:
             return
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": len(self.output) - 1}
-        logprobs = {"logprobs": []} if item["type"] == "message" else {}
+        logprobs = {"logprobs": _event_logprobs(part["logprobs"])} if item["type"] == "message" else {}
         self._emit(TEXT_DONE[item["type"]], **where, content_index=0, text=part["text"], **logprobs)
         self._emit("response.content_part.done", **where, content_index=0, part=part)
         item["status"] = status

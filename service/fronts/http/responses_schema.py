@@ -11,7 +11,9 @@ a string (one user message) or a list of items: messages (`developer` is a syste
 function calls (each joins the assistant turn before it), their outputs (tool messages) and reasoning
 items (the next assistant turn's `reasoning_content`). Items are checked one by one, so that an error
 names the item (`input[2].call_id`). As in `openai_schema`, a field this server does not implement is
-refused by name; those accepted without effect are listed in docs/api.md.
+refused by name; those accepted without effect are listed in docs/api.md. Logprobs are returned when
+`include` names `message.output_text.logprobs` (`top_logprobs` alternatives each); `top_logprobs` alone is
+checked and, as in OpenAI's API, returns none.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from service.engine.errors import InvalidRequest
+from service.engine.request import MAX_TOP_LOGPROBS
 from service.fronts.http.openai_schema import ChatCompletionRequest, Number
 from service.fronts.http.request_body import validated
 
 STATELESS = "this server is stateless and keeps no responses; send the whole conversation in input"
+LOGPROBS = "message.output_text.logprobs"  # the one `include` this server adds to the output
 # a chat request's field -> the Responses request's (longest first: a name is renamed where it is whole)
 CHAT_NAMES = {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
               "tool_choice.function.name": "tool_choice.name", "max_tokens": "max_output_tokens",
@@ -142,6 +146,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningConfig | None = None
     stream: StrictBool | None = False
     include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
     truncation: Literal["disabled", "auto"] | None = None
     # accepted and without effect here (docs/api.md)
     store: StrictBool | None = None
@@ -158,9 +163,12 @@ class ResponsesRequest(BaseModel):
         if self.truncation == "auto":
             raise InvalidRequest("truncation", "only 'disabled' is served: an input that does not fit the context is "
                                  "refused, never cut")
-        if self.include:
-            raise InvalidRequest("include[0]", f"{self.include[0]!r} is not served: this server adds nothing to the "
-                                 "output on request (no logprobs, no encrypted reasoning, no tool results of its own)")
+        for i, name in enumerate(self.include or ()):
+            if name != LOGPROBS:
+                raise InvalidRequest(f"include[{i}]", f"{name!r} is not served: of what include can name, this server "
+                                     f"adds {LOGPROBS!r} alone (no encrypted reasoning, no tool results of its own)")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema":
             for name, value in (("name", fmt.name), ("schema", fmt.schema_)):
@@ -186,6 +194,8 @@ class ResponsesRequest(BaseModel):
             fields["response_format"] = {"type": fmt.type, "json_schema": spec}
         elif fmt is not None:
             fields["response_format"] = {"type": fmt.type}
+        if LOGPROBS in (self.include or ()):
+            fields["logprobs"], fields["top_logprobs"] = True, self.top_logprobs
         if self.reasoning is not None and self.reasoning.effort is not None:
             fields["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort != "none"}
         chat = validated(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
@@ -203,7 +213,7 @@ class ResponsesRequest(BaseModel):
                 "reasoning": (self.reasoning or ReasoningConfig()).model_dump(),
                 "store": False, "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "tool_choice": choice or "auto", "tools": [tool.model_dump() for tool in self.tools or []],
-                "truncation": "disabled", "user": self.user}
+                "top_logprobs": self.top_logprobs, "truncation": "disabled", "user": self.user}
 
     def messages(self) -> list[dict[str, Any]]:
         """`instructions` as the first system message, then `input` as chat messages."""
