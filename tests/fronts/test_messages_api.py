@@ -107,6 +107,23 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(api, chat_ser
     assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_final_assistant_message_is_continued_as_chat_continues_it(api, chat_server):
+    """A prefill: the answer goes on from the final assistant message's text, and holds only what follows it."""
+    prefill = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "The sky"}, {"type": "text",
+                                                                                             "text": " is"}]}]
+    message = api.messages.create(model="", max_tokens=8, messages=prefill, extra_body=GREEDY)
+    with oai(chat_server) as o:
+        chat = o.chat.completions.create(model="", max_tokens=8, temperature=0, messages=[
+            *USER, {"role": "assistant", "content": "The sky is"}],
+            extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    counted = api.messages.count_tokens(model="", messages=prefill).input_tokens
+    assert counted == chat.usage.prompt_tokens
+    streamed = api.messages.create(model="", max_tokens=8, messages=prefill, stream=True, extra_body=GREEDY)
+    assert "".join(e.delta.text for e in streamed if e.type == "content_block_delta") == message.content[0].text
+
+
 def test_a_stop_sequence_ends_the_message_and_is_named(api):
     text = api.messages.create(model="", max_tokens=12, messages=USER, extra_body=GREEDY).content[0].text
     assert len(text) >= 6, text  # the greedy answer is long enough to stop inside
@@ -370,7 +387,15 @@ def test_an_agent_turn_renders_as_the_same_chat_conversation_does():
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "id": "b"}]}]},
      "messages[0].content[0].id"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
-    ({"messages": [*USER, {"role": "assistant", "content": "{"}]}, "messages[1]"),
+    ({"messages": [*USER, {"role": "assistant", "content": "The sky "}]}, "messages[1].content"),
+    ({"messages": [*USER, {"role": "assistant", "content": []}]}, "messages[1].content"),
+    ({"messages": [*USER, {"role": "assistant", "content": [
+        {"type": "text", "text": "I"}, {"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]},
+     "messages[1].content[1]"),
+    ({"messages": [*USER, {"role": "assistant", "content": "I"}], "thinking": {"type": "enabled", "budget_tokens": 9}},
+     "thinking"),
+    ({"messages": [*USER, {"role": "assistant", "content": "{"}],
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
     ({"messages": USER, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"messages": USER, "tools": [RAIN], "tool_choice": {"type": "tool", "name": "dry"}}, "tool_choice.name"),
     ({"messages": USER, "tools": [RAIN], "tool_choice": {"type": "tool"}}, "tool_choice.name"),

@@ -34,7 +34,7 @@ ACCEPTED = {
 }
 # the refusals the table documents, each naming its field
 REFUSED = {
-    "messages": ([*USER, {"role": "assistant", "content": "Sure"}], "messages[1]"),
+    "messages": ([*USER, {"role": "assistant", "content": "Sure "}], "messages[1].content"),
     "tools": ([{"type": "web_search_20250305", "name": "web_search"}], "tools[0].type"),
     "tool_choice": ({"type": "any"}, "tool_choice"),
     "output_config": ({"effort": "low"}, "output_config.effort"),

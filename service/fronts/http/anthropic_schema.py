@@ -22,6 +22,7 @@ The translation (docs/api.md, "The Messages API"):
     output_config.format (json_schema)       response_format json_schema
     stop_sequences                           stop
     max_tokens, temperature, top_p, top_k    the same fields
+    a final assistant message (a prefill)    continue_final_message: the answer goes on from its text
 """
 
 from __future__ import annotations
@@ -157,8 +158,27 @@ class CountTokensRequest(BaseModel):
                     raise InvalidRequest(f"messages[{i}].content[{j}]", "a tool_result block belongs in a user "
                                          "message")
         if self.messages[-1].role == "assistant":
-            raise InvalidRequest(f"messages[{len(self.messages) - 1}]", "ends the conversation with an assistant "
-                                 "message; continuing one (a prefill) is not supported: end with a user message")
+            self._check_prefill(len(self.messages) - 1)
+
+    def _check_prefill(self, last: int) -> None:
+        """A final assistant message is text the answer continues: text alone, not ending in whitespace (as
+        Anthropic's API refuses it), and neither reasoning nor an output format to begin the answer anew."""
+        content = self.messages[last].content
+        blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+        for j, block in enumerate(blocks):
+            if block.type != "text":
+                raise InvalidRequest(f"messages[{last}].content[{j}]", f"a final assistant message is continued "
+                                     f"(a prefill) and takes text alone, not a {block.type} block")
+        text = "".join(block.text for block in blocks)
+        if not text or text != text.rstrip():
+            raise InvalidRequest(f"messages[{last}].content", "a final assistant message (a prefill) cannot be "
+                                 "empty or end with whitespace")
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise InvalidRequest("thinking", "a final assistant message (a prefill) is continued as the answer: "
+                                 "it cannot be combined with thinking")
+        if self.output_config is not None and self.output_config.format is not None:
+            raise InvalidRequest("output_config.format", "constrains the whole answer, which a final assistant "
+                                 "message (a prefill) has begun already")
 
     def _check_tools(self) -> None:
         names: dict[str, int] = {}
@@ -191,6 +211,8 @@ class CountTokensRequest(BaseModel):
         for m in self.messages:
             messages.extend(_assistant(m, called) if m.role == "assistant" else _user(m, called))
         fields: dict[str, Any] = {"messages": messages}
+        if self.messages[-1].role == "assistant":
+            fields["add_generation_prompt"], fields["continue_final_message"] = False, True
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
