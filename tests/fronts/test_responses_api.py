@@ -20,7 +20,7 @@ from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.fronts.chat_output import OutputReader
 from service.fronts.http.request_body import validated
 from service.fronts.http.responses_body import ResponsesBody
-from service.fronts.http.responses_schema import ResponsesRequest, responses_error
+from service.fronts.http.responses_schema import ResponsesRequest, responses_error, sealed, unsealed
 from service.fronts.reasoning import ReasoningParser
 from service.fronts.status import HttpStatus
 from service.fronts.tool_calls import ToolCallParser
@@ -109,8 +109,13 @@ def test_the_other_fields_become_the_chat_requests():
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
     ({"top_logprobs": 21}, "top_logprobs"),
+    ({"max_tool_calls": 0}, "max_tool_calls"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"}, {"role": "user", "content": "x"}]},
+     "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": sealed("a")[:-2] + "!!"}]},
+     "input[0].encrypted_content"),
     ({"top_logprobs": -1}, "top_logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -283,7 +288,8 @@ def test_each_answer_token_logprob_goes_with_the_text_it_wrote():
     stream = streamed(b, token_events)
     messages = [item for item in b.response()["output"] if item["type"] == "message"]
     assert [m["content"][0]["text"] for m in messages] == ["Sunny", "Then rain"]
-    assert [[lp["token"] for lp in m["content"][0]["logprobs"]] for m in messages] == [["3", "4", "5"], ["9", "10", "11"]]
+    assert [[lp["token"] for lp in m["content"][0]["logprobs"]] for m in messages] == \
+        [["3", "4", "5"], ["9", "10", "11"]]
     deltas = [e for e in stream if e["type"] == "response.output_text.delta"]
     assert [(e["delta"], [lp["token"] for lp in e["logprobs"]]) for e in deltas] == \
         [("Sun", ["3", "4"]), ("ny", ["5"]), ("Then", ["9"]), (" rain", ["10"]), ("", ["11"])]
@@ -494,6 +500,33 @@ def test_reasoning_is_its_own_item_as_the_chat_message_reads_it(reasoning_api, e
     assert "".join(e.delta for e in stream_events if e.type == "response.output_text.delta") == response.output_text
 
 
+def test_sealed_reasoning_comes_back_as_the_reasoning_it_holds(reasoning_api):
+    """A client that keeps nothing on the server sends the sealed reasoning back, and the next turn reads it as it
+    would the reasoning's text."""
+    response = reasoning_api.responses.create(model="", input="Rain?", max_output_tokens=12, temperature=0,
+                                              include=["reasoning.encrypted_content"])
+    item, = [item for item in response.output if item.type == "reasoning"]
+    assert unsealed(item.encrypted_content, "x") == item.content[0].text != ""
+    assert reasoning_api.responses.create(model="", input="Rain?", max_output_tokens=12, temperature=0).output[0] \
+        .encrypted_content is None  # not included
+    turn = [{"role": "user", "content": "Rain?"}, None, {"role": "assistant", "content": "No."},
+            {"role": "user", "content": "Snow?"}]
+    as_sent = {"type": "reasoning", "summary": [], "encrypted_content": item.encrypted_content}
+    as_text = {"type": "reasoning", "summary": [],
+               "content": [{"type": "reasoning_text", "text": item.content[0].text}]}
+    sent, text = ([*turn[:1], reasoning, *turn[2:]] for reasoning in (as_sent, as_text))
+    assert request({"input": sent}).messages() == request({"input": text}).messages()
+    assert request({"input": sent}).messages()[1]["reasoning_content"] == item.content[0].text
+    answers = [reasoning_api.responses.create(model="", input=given, max_output_tokens=4, temperature=0)
+               for given in (sent, text)]
+    assert answers[0].usage.input_tokens == answers[1].usage.input_tokens
+
+
+def test_sealed_text_reads_back_whole():
+    for text in ("", "why", "ünïcode 雨\n<think>"):
+        assert unsealed(sealed(text), "x") == text
+
+
 # ---- docs/api.md's field table -----------------------------------------------------------------------------
 
 # a valid value of each documented field, sent alone on top of a minimal body
@@ -502,11 +535,13 @@ ACCEPTED = {
     "temperature": 0.5, "top_p": 0.9, "tools": [{"type": "function", "name": "f"}], "tool_choice": "none",
     "parallel_tool_calls": False, "text": {"format": {"type": "text"}}, "reasoning": {"effort": "low", "summary": "auto"},
     "stream": False, "include": ["message.output_text.logprobs"], "top_logprobs": 2, "truncation": "disabled", "store": True, "metadata": {"k": "v"}, "user": "u1",
-    "previous_response_id": None, "conversation": None,
+    "previous_response_id": None, "conversation": None, "max_tool_calls": 3, "safety_identifier": "u1",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "service_tier": "priority",
+    "stream_options": {"include_obfuscation": False},
 }
 # the refusals the table documents: (value, the param the 400 names)
 REFUSED = {"previous_response_id": ("resp_1", "previous_response_id"), "conversation": ("conv_1", "conversation"),
-           "truncation": ("auto", "truncation"), "include": (["reasoning.encrypted_content"], "include[0]")}
+           "truncation": ("auto", "truncation"), "include": (["file_search_call.results"], "include[0]")}
 
 
 def documented() -> set[str]:

@@ -20,7 +20,7 @@ from service.fronts.http.chat_front import ChatFront
 from service.fronts.http.errors import HttpError
 from service.fronts.http.request_body import read_body
 from service.fronts.http.responses_body import ResponsesBody
-from service.fronts.http.responses_schema import STATELESS, ResponsesRequest, responses_error
+from service.fronts.http.responses_schema import REASONING, STATELESS, ResponsesRequest, responses_error
 from service.fronts.status import HttpStatus
 
 
@@ -28,7 +28,7 @@ async def create(front: ChatFront, request: Request, call: Call) -> Response:
     body, size, model = await read_body(request, ResponsesRequest, front.serving, call)
     try:
         accepted, reader, names = await front.accept_chat(request, model, body.chat_request(), size)
-        builder = ResponsesBody(model.name, accepted, reader, body.echo(), model.texts)
+        builder = ResponsesBody(model.name, accepted, reader, body.echo(), model.texts, body.included(REASONING))
         return await front.generate(request, call, model, [accepted], builder, bool(body.stream), names)
     except InvalidRequest as e:
         raise responses_error(e) from None

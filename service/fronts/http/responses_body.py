@@ -23,7 +23,8 @@ the chat completion's `logprobs.content`.
 
 Every event is `event: <type>` and `data: <json>` with the stream's `sequence_number`; there is no [DONE].
 A response cut off by max_output_tokens is `incomplete` (`incomplete_details.reason: "max_output_tokens"`),
-and so is the item it was writing.
+and so is the item it was writing. With `seal_reasoning` (`include: ["reasoning.encrypted_content"]`), a
+reasoning item carries its text as `encrypted_content` once it is done.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from service.engine.sequence import Timing
 from service.fronts.chat_output import OutputReader
 from service.fronts.http.errors import ERROR_CODES
 from service.fronts.http.response_streams import sse
+from service.fronts.http.responses_schema import sealed
 from service.fronts.status import HttpStatus
 from service.fronts.token_texts import TokenTexts
 from service.fronts.tool_calls import ParsedMessage, ToolCall
@@ -62,7 +64,7 @@ class ResponsesBody:
     """One request's Response, as its events arrive (a Response has one output: n is always 1)."""
 
     def __init__(self, model: str, accepted: AcceptedRequest, reader: OutputReader | None, echo: dict[str, Any],
-                 texts: TokenTexts):
+                 texts: TokenTexts, seal_reasoning: bool = False):
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -74,6 +76,7 @@ class ResponsesBody:
         self.section_tokens = 0  # tokens read while a reasoning section could be open (reasoning, if there was one)
         self.reader = reader.stream() if reader else None  # None: the text is all answer
         self.texts = texts
+        self.seal_reasoning = seal_reasoning  # reasoning items carry their text sealed, for the client to send back
         self.want_logprobs = accepted.want_logprobs
         self.held: list[dict[str, Any]] = []  # logprobs of tokens whose text the reader holds back
         self.finish_reason: FinishReason | None = None
@@ -199,6 +202,8 @@ class ResponsesBody:
         self._emit(TEXT_DONE[item["type"]], **where, content_index=0, text=part["text"], **logprobs)
         self._emit("response.content_part.done", **where, content_index=0, part=part)
         item["status"] = status
+        if item["type"] == "reasoning" and self.seal_reasoning:
+            item["encrypted_content"] = sealed(part["text"])
         self._emit("response.output_item.done", output_index=where["output_index"], item=item)
 
     def _call(self, call: ToolCall) -> None:

@@ -13,11 +13,15 @@ items (the next assistant turn's `reasoning_content`). Items are checked one by 
 names the item (`input[2].call_id`). As in `openai_schema`, a field this server does not implement is
 refused by name; those accepted without effect are listed in docs/api.md. Logprobs are returned when
 `include` names `message.output_text.logprobs` (`top_logprobs` alternatives each); `top_logprobs` alone is
-checked and, as in OpenAI's API, returns none.
+checked and, as in OpenAI's API, returns none. With `reasoning.encrypted_content` included, reasoning items
+carry their text `sealed` (encoded, not encrypted: the server keeps no keys), so that a client that stores
+nothing on the server sends it back in `input` and the next turn has it (`unsealed`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from typing import Any, Literal
@@ -30,7 +34,10 @@ from service.fronts.http.openai_schema import ChatCompletionRequest, Number
 from service.fronts.http.request_body import validated
 
 STATELESS = "this server is stateless and keeps no responses; send the whole conversation in input"
-LOGPROBS = "message.output_text.logprobs"  # the one `include` this server adds to the output
+LOGPROBS = "message.output_text.logprobs"
+REASONING = "reasoning.encrypted_content"
+INCLUDES = (LOGPROBS, REASONING)  # what `include` can add to the output here
+SEALED = "attnserve-reasoning-v1:"  # how a reasoning item's `encrypted_content` from this server begins
 # a chat request's field -> the Responses request's (longest first: a name is renamed where it is whole)
 CHAT_NAMES = {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
               "tool_choice.function.name": "tool_choice.name", "max_tokens": "max_output_tokens",
@@ -64,6 +71,7 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted: the model's length is its own
 
 
 class ReasoningConfig(BaseModel):
@@ -116,6 +124,21 @@ class ReasoningText(BaseModel):
     text: StrictStr
 
 
+def sealed(text: str) -> str:
+    """A reasoning item's text as its `encrypted_content`: opaque to the client, read back by `unsealed`."""
+    return SEALED + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unsealed(value: str, where: str) -> str:
+    try:
+        if value.startswith(SEALED):
+            return base64.urlsafe_b64decode(value.removeprefix(SEALED).encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        pass
+    raise InvalidRequest(where, "was not written by this server (it reads back only the encrypted_content of its "
+                         "own reasoning items)")
+
+
 class ReasoningItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["reasoning"]
@@ -123,11 +146,16 @@ class ReasoningItem(BaseModel):
     content: list[ReasoningText] | None = None
     id: StrictStr | None = None
     status: StrictStr | None = None
-    encrypted_content: None = None  # never written by this server, so never sent back
+    encrypted_content: StrictStr | None = None  # `sealed` by this server
 
 
 ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
          "reasoning": ReasoningItem}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_obfuscation: StrictBool | None = None  # no obfuscation padding is sent: the events are what they are
 
 
 class ResponsesRequest(BaseModel):
@@ -147,11 +175,17 @@ class ResponsesRequest(BaseModel):
     stream: StrictBool | None = False
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = None
+    max_tool_calls: StrictInt | None = None  # a bound on built-in tool calls: this server runs none
     truncation: Literal["disabled", "auto"] | None = None
     # accepted and without effect here (docs/api.md)
     store: StrictBool | None = None
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None  # the prefix cache finds shared prefixes by itself
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # one tier: "default"
+    stream_options: StreamOptions | None = None
     # refused: they name state this server does not keep
     previous_response_id: StrictStr | None = None
     conversation: StrictStr | dict[str, Any] | None = None
@@ -164,9 +198,11 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequest("truncation", "only 'disabled' is served: an input that does not fit the context is "
                                  "refused, never cut")
         for i, name in enumerate(self.include or ()):
-            if name != LOGPROBS:
+            if name not in INCLUDES:
                 raise InvalidRequest(f"include[{i}]", f"{name!r} is not served: of what include can name, this server "
-                                     f"adds {LOGPROBS!r} alone (no encrypted reasoning, no tool results of its own)")
+                                     f"adds {' and '.join(map(repr, INCLUDES))} (no tool results of its own)")
+        if self.max_tool_calls is not None and self.max_tool_calls < 1:
+            raise InvalidRequest("max_tool_calls", f"must be at least 1, got {self.max_tool_calls}")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         fmt = self.text.format if self.text else None
@@ -194,7 +230,7 @@ class ResponsesRequest(BaseModel):
             fields["response_format"] = {"type": fmt.type, "json_schema": spec}
         elif fmt is not None:
             fields["response_format"] = {"type": fmt.type}
-        if LOGPROBS in (self.include or ()):
+        if self.included(LOGPROBS):
             fields["logprobs"], fields["top_logprobs"] = True, self.top_logprobs
         if self.reasoning is not None and self.reasoning.effort is not None:
             fields["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort != "none"}
@@ -211,9 +247,15 @@ class ResponsesRequest(BaseModel):
                 "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "previous_response_id": None,
                 "reasoning": (self.reasoning or ReasoningConfig()).model_dump(),
-                "store": False, "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+                "store": False, "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True),
+                                         "verbosity": (self.text.verbosity if self.text else None) or "medium"},
                 "tool_choice": choice or "auto", "tools": [tool.model_dump() for tool in self.tools or []],
-                "top_logprobs": self.top_logprobs, "truncation": "disabled", "user": self.user}
+                "top_logprobs": self.top_logprobs, "truncation": "disabled", "user": self.user,
+                "max_tool_calls": self.max_tool_calls, "prompt_cache_key": self.prompt_cache_key,
+                "safety_identifier": self.safety_identifier, "service_tier": "default"}
+
+    def included(self, name: str) -> bool:
+        return name in (self.include or ())
 
     def messages(self) -> list[dict[str, Any]]:
         """`instructions` as the first system message, then `input` as chat messages."""
@@ -225,6 +267,8 @@ class ResponsesRequest(BaseModel):
             item = _item(i, raw)
             if isinstance(item, ReasoningItem):
                 reasoning = "".join(part.text for part in item.content or item.summary) or None
+                if reasoning is None and item.encrypted_content is not None:
+                    reasoning = unsealed(item.encrypted_content, f"input[{i}].encrypted_content") or None
                 continue
             if isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
