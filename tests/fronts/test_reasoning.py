@@ -197,6 +197,23 @@ def test_chat_template_kwargs_reach_the_template(reasoning_server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs.tools"
 
 
+def test_reasoning_effort_is_the_templates_switch(reasoning_server):
+    """OpenAI's `reasoning_effort`: "none" is enable_thinking false, any other effort true; sent with an
+    enable_thinking that says otherwise, it is refused."""
+    fields = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for effort, thinking in (("none", False), ("low", True), ("high", True)):
+        by_effort = post(reasoning_server, "/v1/chat/completions", {**fields, "reasoning_effort": effort}).json()
+        by_switch = post(reasoning_server, "/v1/chat/completions",
+                         {**fields, "chat_template_kwargs": {"enable_thinking": thinking}}).json()
+        assert by_effort["usage"] == by_switch["usage"]
+        assert by_effort["choices"][0]["message"] == by_switch["choices"][0]["message"]
+    assert post(reasoning_server, "/v1/chat/completions", {**fields, "reasoning_effort": "high"}).json()["usage"] != \
+        post(reasoning_server, "/v1/chat/completions", {**fields, "reasoning_effort": "none"}).json()["usage"]
+    refused = post(reasoning_server, "/v1/chat/completions", {**fields, "reasoning_effort": "none",
+                                                                "chat_template_kwargs": {"enable_thinking": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+
+
 @pytest.fixture(scope="module")
 def qwen3_server(engine_bundle, tmp_path_factory):
     """The engine bundle with the test template in Qwen3's prompt format."""

@@ -98,9 +98,9 @@ def test_the_other_fields_become_the_chat_requests():
         "type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
     assert chat.tool_choice.function.name == "f"
     assert chat.response_format.json_schema.schema_ == {"type": "object"}
-    assert chat.chat_template_kwargs == {"enable_thinking": False}
-    assert request({"input": "x", "reasoning": {"effort": "high"}}).chat_request().chat_template_kwargs == \
-        {"enable_thinking": True}
+    assert chat.reasoning_effort == "none" and chat.template_variables()["enable_thinking"] is False
+    assert request({"input": "x", "reasoning": {"effort": "high"}}).chat_request().template_variables() == \
+        {"enable_thinking": True, "reasoning_effort": "high"}
     assert request({"input": "x", "text": {"format": {"type": "json_object"}}}).chat_request().response_format.type \
         == "json_object"
 

@@ -23,7 +23,7 @@ def render_prompt(template: ChatTemplate, prompt: ChatPrompt, conversation: list
     Raises InvalidRequest naming `messages` when the template refuses them or the text cannot fit the model."""
     try:
         text = template.render(conversation, add_generation_prompt=prompt.add_generation_prompt, tools=tools,
-                               **(prompt.chat_template_kwargs or {}))
+                               **prompt.template_variables())
     except ChatTemplateError as e:
         raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None
     if prompt.continue_final_message:

@@ -262,6 +262,10 @@ class ChatPrompt(BaseModel):
                                  "with the final message, not a new one)")
         return names
 
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's variables besides messages, tools and add_generation_prompt."""
+        return dict(self.chat_template_kwargs or {})
+
     def tool_specs(self) -> list[dict[str, Any]]:
         """The tools as sent, for the template."""
         return [tool.model_dump(exclude_unset=True) for tool in self.tools or []]
@@ -295,6 +299,7 @@ class ChatCompletionRequest(ChatPrompt, SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     max_reasoning_chars: StrictInt | None = None  # the reasoning section's bound, by the grammar (attnserve's)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # OpenAI's, accepted and without effect here (docs/api.md)
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -302,10 +307,16 @@ class ChatCompletionRequest(ChatPrompt, SamplingFields):
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     modalities: list[StrictStr] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         names = self.check_prompt()
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if self.reasoning_effort is not None and thinking is not None and \
+                thinking is not (self.reasoning_effort != "none"):
+            raise InvalidRequest("reasoning_effort", f"{self.reasoning_effort!r} and chat_template_kwargs."
+                                 f"enable_thinking {thinking!r} disagree; send one of them")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise InvalidRequest("tool_choice.function.name", f"{choice.function.name!r} is not among the tools "
@@ -321,6 +332,15 @@ class ChatCompletionRequest(ChatPrompt, SamplingFields):
         if self.max_reasoning_chars is not None and not 1 <= self.max_reasoning_chars <= MAX_REASONING_CHARS:
             raise InvalidRequest("max_reasoning_chars", f"{self.max_reasoning_chars} is outside "
                                  f"[1, {MAX_REASONING_CHARS}]")
+
+    def template_variables(self) -> dict[str, Any]:
+        """With `reasoning_effort`: `enable_thinking` false for "none", else true (Qwen3's switch, which templates
+        without it ignore), and the effort itself as `reasoning_effort` (gpt-oss's templates read it)."""
+        variables = super().template_variables()
+        if self.reasoning_effort is not None:
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return variables
 
     def tool_use(self, template_source: str) -> ToolUse | None:
         """What the tools ask of this generation; None without tools or with tool_choice "none"."""

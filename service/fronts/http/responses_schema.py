@@ -41,7 +41,7 @@ SEALED = "attnserve-reasoning-v1:"  # how a reasoning item's `encrypted_content`
 # a chat request's field -> the Responses request's (longest first: a name is renamed where it is whole)
 CHAT_NAMES = {"response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
               "tool_choice.function.name": "tool_choice.name", "max_tokens": "max_output_tokens",
-              "messages": "input"}
+              "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 class FunctionTool(BaseModel):
@@ -233,7 +233,7 @@ class ResponsesRequest(BaseModel):
         if self.included(LOGPROBS):
             fields["logprobs"], fields["top_logprobs"] = True, self.top_logprobs
         if self.reasoning is not None and self.reasoning.effort is not None:
-            fields["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort != "none"}
+            fields["reasoning_effort"] = self.reasoning.effort
         chat = validated(ChatCompletionRequest, {k: v for k, v in fields.items() if v is not None})
         chat.refuse_unsupported()
         return chat
