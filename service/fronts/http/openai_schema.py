@@ -27,6 +27,7 @@ Number = StrictInt | StrictFloat
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # accepted: no obfuscation padding is added to the chunks
 
 
 class JsonSchemaFormat(BaseModel):
