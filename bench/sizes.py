@@ -166,8 +166,9 @@ def write_bundle(model_dir: Path, out: Path, name: str, int4: bool) -> list[str]
     """The serving graphs: static (fp32), static-int8, static-int8-per-tensor, static-int4 when asked (the
     standard fp32 graph is left out; its INT8 form stays, as `export --int8 --no-fp32` writes)."""
     from export.bundle_writer import export_bundle
+    from export.variants import INT4
 
-    extra = {"int4": True} if int4 else {}
+    extra = {"int4": INT4} if int4 else {}
     return export_bundle(model_dir, out, name=name, int8=True, int8_per_tensor=True, keep_fp32=False,
                          **extra)
 

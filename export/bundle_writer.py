@@ -180,11 +180,10 @@ def write_kv_twins(config: GPTConfig, tokenizer: Tokenizer, out: Path, graphs: l
 
 def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset: int = DEFAULT_OPSET,
                   optimized: bool = False, int8: bool = False, int8_per_tensor: bool = False,
-                  int4: bool | Quantization = False,
-                  fp16: bool = False, keep_fp32: bool = True, default: str = "static",
+                  int4: Quantization | None = None, fp16: bool = False, keep_fp32: bool = True, default: str = "static",
                   kv_dtypes: tuple[KvDtype, ...] = ()) -> list[str]:
-    """Write the bundle; returns the graph variants written. `int4`: True for `INT4`, or the 4-bit quantization
-    to write (another block size). `kv_dtypes`: each serving graph again with its KV cache in each of these types
+    """Write the bundle; returns the graph variants written. `int4`: the 4-bit graph's quantization (`INT4`, or
+    another block size), None for none. `kv_dtypes`: each serving graph again with its KV cache in each of these types
     (`kv_variant`)."""
     if not keep_fp32 and not (optimized or int8 or fp16):
         raise ValueError("leaving out the fp32 graph needs --optimize, --int8 or --fp16: "
@@ -203,7 +202,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         quantize(static, out / GRAPH_FILES["static-int8-per-tensor"], INT8_PER_TENSOR)
         variants.append("static-int8-per-tensor")
     if int4:
-        quantize(static, out / GRAPH_FILES["static-int4"], INT4 if int4 is True else int4)
+        quantize(static, out / GRAPH_FILES["static-int4"], int4)
         variants.append("static-int4")
     variants += write_kv_twins(config, tokenizer, out, [v for v in variants if v in STATIC_VARIANTS], kv_dtypes)
     if optimized:
@@ -223,7 +222,7 @@ def export_bundle(model_dir: Path, out: Path, *, name: str | None = None, opset:
         raise ValueError(f"default graph {default!r} was not written; the bundle has {variants}")
     manifest = make_manifest(config, special_tokens(tokenizer), name or model_dir.resolve().name, opset,
                              weights_hash(model_dir), variants, default)
-    if int4 and int4 is not True and int4.block_size != INT4.block_size:  # the descriptions name the default's
+    if int4 and int4.block_size != INT4.block_size:  # the descriptions name the default's
         for spec in manifest.graphs.values():
             spec.description = spec.description.replace(f"block {INT4.block_size},", f"block {int4.block_size},")
     for v in variants:

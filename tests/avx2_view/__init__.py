@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from service.runtime.cpu import parse_cpuinfo
+
 K = 64
 SATURATED = 32 * 32767  # 255 x 127 pairs summed in 16 bits, saturating at 32767 each: AVX2's VPMADDUBSW
 EXACT = K * 255 * 127  # VNNI, AMX, or any exact integer kernel
@@ -17,10 +19,7 @@ def where_avx2_kernels_run(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """Where this machine runs onnxruntime's AVX2 kernels, as `make test-avx2-view` decides it: "native" on an
     AVX2-only CPU, "view" where the lane can mask CPUID (the CPU faults on it and a C compiler builds the mask),
     else "qemu" (an emulated Haswell, 30-100x slower)."""
-    flags = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
+    _, flags = parse_cpuinfo(cpuinfo.read_text())
     if not flags & set(WIDER):
         return "native"
     return "view" if "cpuid_fault" in flags and shutil.which("cc") else "qemu"

@@ -15,7 +15,8 @@ def shipped_int4_bundle(tmp_path_factory) -> Path:
     """The shipped model exported with its 4-bit serving graph beside the fp32 one (the shipped bundle
     does not carry it: docs/onnx.md says why)."""
     from export.bundle_writer import export_bundle
+    from export.variants import INT4
 
     path = tmp_path_factory.mktemp("shipped_int4")
-    export_bundle(SHIPPED_MODEL, path, name="shakespeare", int4=True)
+    export_bundle(SHIPPED_MODEL, path, name="shakespeare", int4=INT4)
     return path

@@ -28,7 +28,7 @@ MAX_RELATIVE_LOGIT_DIFF = 0.15
 @pytest.fixture(scope="module")
 def int4_bundle(tmp_path_factory, tiny_model_dir):
     path = tmp_path_factory.mktemp("int4_bundle")
-    export_bundle(tiny_model_dir, path, int8=True, int4=True, keep_fp32=False)
+    export_bundle(tiny_model_dir, path, int8=True, int4=INT4, keep_fp32=False)
     return path
 
 

@@ -168,15 +168,15 @@ class ResponsesBody:
             self.held = []
         return []
 
-    def _write(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+    def _write(self, kind: str, text: str, logprobs: list[dict[str, Any]] = ()) -> None:
         if self.open is None or self.open["type"] != kind:
             self._close("completed")
             self._open(kind)
         part = self.open["content"][0]
         part["text"] += text
         if kind == "message":
-            part["logprobs"] += logprobs or []
-        fields = {"logprobs": _event_logprobs(logprobs or [])} if kind == "message" else {}
+            part["logprobs"] += logprobs
+        fields = {"logprobs": logprobs} if kind == "message" else {}
         self._emit(DELTA[kind], **self._where(), content_index=0, delta=text, **fields)
 
     def _open(self, kind: str) -> None:
@@ -198,7 +198,7 @@ class ResponsesBody:
             return
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": len(self.output) - 1}
-        logprobs = {"logprobs": _event_logprobs(part["logprobs"])} if item["type"] == "message" else {}
+        logprobs = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
         self._emit(TEXT_DONE[item["type"]], **where, content_index=0, text=part["text"], **logprobs)
         self._emit("response.content_part.done", **where, content_index=0, part=part)
         item["status"] = status
@@ -232,9 +232,12 @@ class ResponsesBody:
     # ---- the stream -------------------------------------------------------------------------------------
 
     def _emit(self, kind: str, **fields: Any) -> None:
-        """Streamed: the event, encoded now (its items change after it)."""
+        """Streamed: the event, encoded now (its items change after it); a text event's logprobs in the events'
+        shape."""
         if self.events is None:
             return
+        if "logprobs" in fields:
+            fields["logprobs"] = _event_logprobs(fields["logprobs"])
         event = {"type": kind, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
         self.events.append(f"event: {kind}\n".encode() + sse(event))
